@@ -1,0 +1,126 @@
+"""A client's durable PGVI state: its site (committed) and an update awaiting the server's confirmation.
+
+The server's ledger is the source of truth.  After a client computes ``t' = t * Delta`` it keeps ``t'`` as
+*pending*; the server's next message carries the ledger's version of this client's site, and the client
+commits (the server applied the Delta), rolls back (it did not: the reply was lost or rejected), or, if
+the versions make no sense (restart, lost disk), asks for a resync and adopts the ledger's site.
+
+Persisted, when a directory is given, as one ``<client-id>.npz`` written atomically
+(temp file + fsync + rename + directory fsync), so a SuperNode restart resumes where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.protocol import UNKNOWN_VERSION
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass
+class ClientState:
+    site: dict[str, np.ndarray] | None = None  # None: the uniform site (never updated)
+    version: int = 0
+    pending_site: dict[str, np.ndarray] | None = None
+    pending_version: int | None = None
+
+    # -------------------------------------------------------------------------------------------
+    def reconcile(self, ledger_version: int, ledger_site: dict[str, np.ndarray] | None) -> bool:
+        """Bring the committed site in line with the server's ledger.
+
+        Returns ``True`` if the committed site is now the ledger's (the caller may compute a Delta), ``False``
+        if the client cannot tell and must ask the server to resend the site.
+        """
+        if ledger_site is not None:
+            self.site = {k: np.array(v, copy=True) for k, v in ledger_site.items()}
+            self.version = int(ledger_version)
+            self.pending_site, self.pending_version = None, None
+            return True
+        if ledger_version == UNKNOWN_VERSION:
+            # the server does not know this node yet; safe only if nothing is pending
+            return self.pending_site is None
+        if self.pending_version is not None and ledger_version == self.pending_version:
+            self.site, self.version = self.pending_site, self.pending_version  # commit
+            self.pending_site, self.pending_version = None, None
+            return True
+        if ledger_version == self.version:
+            self.pending_site, self.pending_version = None, None  # roll back: the server did not apply it
+            return True
+        return False
+
+    def stage(self, new_site: dict[str, np.ndarray]) -> None:
+        """Keep ``new_site`` as the pending update (version + 1) until the server confirms it."""
+        self.pending_site = {k: np.array(v, copy=True) for k, v in new_site.items()}
+        self.pending_version = self.version + 1
+
+    # -------------------------------------------------------------------------------------------
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, int | bool]]:
+        arrays: dict[str, np.ndarray] = {}
+        for prefix, d in (("site:", self.site), ("pending:", self.pending_site)):
+            for k, v in (d or {}).items():
+                arrays[prefix + k] = v
+        meta = {
+            "version": self.version,
+            "has-site": self.site is not None,
+            "pending-version": -1 if self.pending_version is None else self.pending_version,
+        }
+        return arrays, meta
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], meta: dict) -> ClientState:
+        site = {k[5:]: v for k, v in arrays.items() if k.startswith("site:")}
+        pending = {k[8:]: v for k, v in arrays.items() if k.startswith("pending:")}
+        pv = int(meta.get("pending-version", -1))
+        return cls(
+            site=site if meta.get("has-site") else None,
+            version=int(meta.get("version", 0)),
+            pending_site=pending if pv >= 0 else None,
+            pending_version=pv if pv >= 0 else None,
+        )
+
+    # -------------------------------------------------------------------------------------------
+    @staticmethod
+    def path_for(state_dir: str | os.PathLike, client_id: str) -> Path:
+        if not _SAFE_ID.match(client_id):
+            raise ValueError(f"client-id {client_id!r} must match {_SAFE_ID.pattern}")
+        return Path(state_dir) / f"{client_id}.npz"
+
+    def save(self, state_dir: str | os.PathLike, client_id: str) -> Path:
+        path = self.path_for(state_dir, client_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays, meta = self.to_arrays()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{client_id}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dfd = os.open(path.parent, os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, state_dir: str | os.PathLike, client_id: str) -> ClientState:
+        path = cls.path_for(state_dir, client_id)
+        if not path.exists():
+            return cls()
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["__meta__"]).decode())
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+        return cls.from_arrays(arrays, meta)

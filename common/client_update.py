@@ -1,0 +1,79 @@
+"""One PGVI client step (FedGVI Alg. 2), transport-free.
+
+Given the server posterior and this client's site: form the cavity (eq. 3), solve the local GVI problem
+(eq. 4) in closed form where it is conjugate, else with the torch optimiser, and return the damped
+Delta (eq. 5) and the new site.  The Flower client (client/) is a thin wrapper around this.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from common.conjugate import conjugate_local_posterior, supports_conjugate
+from common.factors import cavity, damped_delta
+from common.families import GaussianFactor, MeanFieldGaussian
+from common.local_gvi import local_gvi
+from common.problem import Problem
+
+
+@dataclass
+class ClientStepResult:
+    delta: GaussianFactor
+    new_site: GaussianFactor
+    local_posterior: GaussianFactor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _initial_q(problem: Problem, posterior: GaussianFactor, cav: GaussianFactor, site: GaussianFactor) -> GaussianFactor:
+    """Where the local optimiser starts.
+
+    A BNN whose site is still uniform (first visit) starts from a small-variance q around a seeded random
+    mean shared by every client (``cfg.seed``), so that all clients break the hidden-unit symmetry the same
+    way; otherwise the current posterior or the cavity, as configured.
+    """
+    site_is_uniform = all(bool((v == 0).all()) for v in site.params.values())
+    if problem.cfg.model == "bnn" and site_is_uniform and isinstance(posterior, MeanFieldGaussian):
+        gen = torch.Generator().manual_seed(problem.cfg.seed)
+        mean = problem.model.init_mean(gen)  # type: ignore[attr-defined]
+        var = {n: torch.full_like(m, 1e-3) for n, m in mean.items()}
+        return MeanFieldGaussian.from_mean_variance(
+            {n: m.to(problem.dtype) for n, m in mean.items()}, {n: v.to(problem.dtype) for n, v in var.items()}
+        )
+    return posterior if problem.local.init == "posterior" else cav
+
+
+def client_step(
+    problem: Problem,
+    posterior: GaussianFactor,
+    site: GaussianFactor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rho: float,
+    step_seed: int = 0,
+) -> ClientStepResult:
+    """Cavity -> local GVI -> damped Delta.  Raises ImproperDistributionError on an improper cavity."""
+    t0 = time.perf_counter()
+    cav = cavity(posterior, site)
+    metrics: dict[str, float] = {"num-examples": float(len(y))}
+    if problem.cfg.conjugate and supports_conjugate(problem.model, problem.loss, problem.divergence):
+        q_m = conjugate_local_posterior(problem.model, problem.loss, problem.divergence, cav, x, y)
+        metrics.update({"conjugate": 1.0, "epochs": 0.0})
+    else:
+        init = _initial_q(problem, posterior, cav, site)
+        local_cfg = replace(problem.local, seed=problem.local.seed + 7919 * step_seed)
+        res = local_gvi(problem.model, problem.loss, problem.divergence, cav, x, y, init, local_cfg)
+        q_m = res.posterior
+        metrics.update(
+            {
+                "conjugate": 0.0,
+                "epochs": float(res.epochs_run),
+                "objective": float(min(res.objective_trace)) if res.objective_trace else float("nan"),
+                "local-seconds": float(res.wall_time_s),
+            }
+        )
+    delta = damped_delta(q_m, posterior, rho)
+    metrics["seconds"] = time.perf_counter() - t0
+    return ClientStepResult(delta=delta, new_site=site * delta, local_posterior=q_m, metrics=metrics)

@@ -1,0 +1,199 @@
+"""The run configuration, validated at the boundary.
+
+Flower passes the run config as a flat dict of ``int | float | bool | str`` with hyphenated keys
+(``[tool.flwr.app.config]`` in pyproject.toml, overridden by ``flwr run -c 'key=value'``).  :func:`parse_run_config`
+turns it into a :class:`RunConfig` or raises one :class:`ConfigError` whose message names every offending key,
+before round 1 — never a traceback in round 7.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A run-config value is invalid; the message names the key(s) and what is allowed."""
+
+
+def _hyphen(name: str) -> str:
+    return name.replace("_", "-")
+
+
+LOSS_NAMES = ("nll", "gce", "beta", "gamma", "score_matching")
+DIVERGENCE_NAMES = ("kl", "weighted_kl", "reverse_kl", "alpha_renyi", "fisher_rao")
+MODEL_NAMES = ("gaussian_location", "linear_regression", "logistic_regression", "bnn")
+
+
+class RunConfig(BaseModel):
+    """Every knob of a PGVI run.  Field ``foo_bar`` is run-config key ``foo-bar``."""
+
+    model_config = ConfigDict(alias_generator=_hyphen, populate_by_name=True, extra="forbid", frozen=True)
+
+    # ---- problem -------------------------------------------------------------------------------
+    model: Literal["gaussian_location", "linear_regression", "logistic_regression", "bnn"] = "logistic_regression"
+    hidden: str = Field("200", description="BNN hidden sizes, comma-separated ('' for none)")
+    family: Literal["mean_field", "full_covariance"] = "mean_field"
+    dtype: Literal["float32", "float64"] = "float64"
+    prior_mean: float = 0.0
+    prior_variance: float = Field(1.0, gt=0)
+    dataset: str = "breast_cancer"
+    data_dir: str = ""
+    download: bool = False
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    num_clients: int = Field(3, ge=1, description="M: number of data partitions / clients in the federation")
+    partitioner: Literal["iid", "label_skew", "dirichlet", "size_skew"] = "iid"
+    dirichlet_alpha: float = Field(0.5, gt=0)
+    classes_per_client: int = Field(2, ge=1)
+    label_noise: float = Field(0.0, ge=0, lt=1)
+    label_noise_kind: Literal["random", "class_map"] = "random"
+
+    # ---- PGVI ----------------------------------------------------------------------------------
+    loss: str = "nll"
+    loss_delta: float = Field(0.5, description="GCE delta in (0, 1]")
+    loss_beta: float = Field(1.5, description="beta-loss beta > 1")
+    loss_gamma: float = Field(1.5, description="gamma-loss gamma > 1")
+    sm_weight: Literal["constant", "imq", "se"] = "imq"
+    sm_c: float = Field(1.0, gt=0)
+    likelihood_sigma: float = Field(1.0, gt=0, description="known noise scale of the Gaussian models")
+    divergence: str = "kl"
+    divergence_alpha: float = Field(2.5, description="Alpha-Renyi alpha (> 0, != 1)")
+    divergence_w: float = Field(1.0, gt=0, description="weighted KL: D = (1/w) KL")
+    server_divergence: str = "kl"
+    server_divergence_alpha: float = 2.5
+    damping: float | Literal["auto"] = Field("auto", description="rho in (0, 1]; 'auto' = 1/M (sequential: 1)")
+    schedule: Literal["synchronous", "sequential", "asynchronous"] = "synchronous"
+    sequential_order: str = Field("", description="comma-separated client ids; '' = sorted ids")
+    max_staleness: int = Field(2, ge=0, description="asynchronous: reject updates older than this many versions")
+    num_server_rounds: int = Field(5, ge=1)
+    fraction_train: float = Field(1.0, gt=0, le=1)
+    min_clients: int = Field(2, ge=1)
+    wait_for_clients_s: float = Field(120.0, ge=0)
+    round_timeout_s: float = Field(600.0, gt=0)
+
+    # ---- local optimiser -----------------------------------------------------------------------
+    local_epochs: int = Field(100, ge=1)
+    lr: float = Field(1e-2, gt=0)
+    lr_scale: float = Field(1e-2, gt=0)
+    mc_samples: int = Field(10, ge=1)
+    batch_size: int = Field(0, ge=0, description="0 = full batch")
+    patience: int = Field(10, ge=1)
+    init: Literal["posterior", "cavity"] = "posterior"
+    local_reparam: bool = True
+    conjugate: bool = Field(True, description="use the closed-form client update where it exists")
+    seed: int = 0
+    torch_threads: int = Field(0, ge=0, description="0 = leave torch's default")
+
+    # ---- evaluation / output -------------------------------------------------------------------
+    eval_samples: int = Field(200, ge=1)
+    evaluate_clients: bool = True
+    output_dir: str = "outputs"
+
+    # ---- validators ----------------------------------------------------------------------------
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        if v not in LOSS_NAMES:
+            raise ValueError(f"unknown loss '{v}'; known: {', '.join(LOSS_NAMES)}")
+        return v
+
+    @field_validator("divergence", "server_divergence")
+    @classmethod
+    def _known_divergence(cls, v: str) -> str:
+        if v not in DIVERGENCE_NAMES:
+            raise ValueError(f"unknown divergence '{v}'; known: {', '.join(DIVERGENCE_NAMES)}")
+        return v
+
+    @field_validator("hidden")
+    @classmethod
+    def _hidden_sizes(cls, v: str) -> str:
+        parts = [p.strip() for p in v.split(",") if p.strip()]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"must be comma-separated positive integers, got '{v}'")
+        return v
+
+    @field_validator("damping")
+    @classmethod
+    def _damping_range(cls, v: float | str) -> float | str:
+        if v != "auto" and not (0.0 < float(v) <= 1.0):
+            raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RunConfig:
+        errors: list[str] = []
+        if self.loss == "gce" and not (0.0 < self.loss_delta <= 1.0):
+            errors.append(f"loss-delta: GCE needs delta in (0, 1], got {self.loss_delta}")
+        if self.loss == "beta" and not self.loss_beta > 1.0:
+            errors.append(f"loss-beta: the beta-loss needs beta > 1, got {self.loss_beta}")
+        if self.loss == "gamma" and not self.loss_gamma > 1.0:
+            errors.append(f"loss-gamma: the gamma-loss needs gamma > 1, got {self.loss_gamma}")
+        if self.loss == "score_matching" and self.model not in ("gaussian_location", "linear_regression"):
+            errors.append(f"loss: score_matching needs a Gaussian model, not '{self.model}'")
+        for key, name, alpha in (
+            ("divergence-alpha", self.divergence, self.divergence_alpha),
+            ("server-divergence-alpha", self.server_divergence, self.server_divergence_alpha),
+        ):
+            if name == "alpha_renyi":
+                if alpha == 1.0:
+                    errors.append(f"{key}: alpha = 1 is the KL divergence; use divergence 'kl'")
+                elif alpha == 0.0:
+                    errors.append(f"{key}: alpha = 0 is the reverse KL; use divergence 'reverse_kl'")
+                elif alpha < 0.0:
+                    errors.append(f"{key}: alpha must be > 0, got {alpha}")
+        if self.min_clients > self.num_clients:
+            errors.append(
+                f"min-clients: {self.min_clients} is more than the {self.num_clients} clients of the federation (num-clients)"
+            )
+        if self.family == "full_covariance" and self.model == "bnn":
+            errors.append("family: a BNN needs family 'mean_field'")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def hidden_sizes(self) -> list[int]:
+        return [int(p) for p in self.hidden.split(",") if p.strip()]
+
+    def rho(self) -> float:
+        if self.damping == "auto":
+            return 1.0 if self.schedule == "sequential" else 1.0 / self.num_clients
+        return float(self.damping)
+
+    def to_flat(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(_hyphen(str(p)) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown run-config key")
+        elif not key:  # model-level checks already name their keys
+            lines.append(msg)
+        elif e["type"] == "value_error":
+            lines.append(f"{key}: {msg}")
+        else:
+            lines.append(f"{key}: {msg} (got {e.get('input')!r})")
+    return "invalid run config: " + "; ".join(lines)
+
+
+def parse_run_config(raw: Mapping[str, Any], *, ignore_unknown: bool = False) -> RunConfig:
+    """Validate Flower's flat run config into a :class:`RunConfig` or raise :class:`ConfigError`.
+
+    ``ignore_unknown`` drops keys that are not fields (Flower may add its own, e.g. ``num-server-rounds``
+    is ours but other apps' keys are not).
+    """
+    data = dict(raw)
+    if ignore_unknown:
+        known = {f.alias or n for n, f in RunConfig.model_fields.items()} | set(RunConfig.model_fields)
+        data = {k: v for k, v in data.items() if k in known}
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None

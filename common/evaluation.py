@@ -1,0 +1,41 @@
+"""Posterior-predictive evaluation of a PGVI posterior on held-out data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from common.families import GaussianFactor
+from common.problem import Problem
+
+
+def evaluate_posterior(
+    problem: Problem, q: GaussianFactor, x: np.ndarray, y: np.ndarray, n_samples: int, seed: int = 0
+) -> dict[str, float]:
+    """Metrics of the averaged posterior predictive ``p(y|x) = E_q[p(y|theta, x)]``.
+
+    Classifiers: accuracy, NLL, ECE (15 bins), Brier.  Gaussian models: predictive NLL (MC mixture over
+    ``n_samples`` posterior draws) and RMSE of the predictive mean.
+    """
+    if len(y) == 0:
+        return {"num-examples": 0.0}
+    xt, yt = problem.tensors(x, y)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if problem.model.is_classifier:
+            from common.metrics import classification_metrics
+
+            probs = problem.model.predictive_probs(q, xt, n_samples, generator=gen)
+            out = classification_metrics(probs.double().numpy(), np.asarray(y))
+        else:
+            theta = q.rsample(n_samples, generator=gen)
+            pred = problem.model.output(theta, xt)
+            logp = pred.log_prob(yt)  # (S, B)
+            nll = -(torch.logsumexp(logp, dim=0) - math.log(n_samples)).mean()
+            mean = pred.mean.mean(0)  # type: ignore[attr-defined]
+            rmse = ((mean - yt) ** 2).sum(-1).mean().sqrt()
+            out = {"nll": float(nll), "rmse": float(rmse)}
+    out["num-examples"] = float(len(y))
+    return {k: float(v) for k, v in out.items()}

@@ -1,0 +1,129 @@
+"""PGVI factor algebra (FedGVI eqs. 3, 5, 6) and the transport-free server state.
+
+Notation (natural parameters, sites ``t_m = exp(-l_m)``):
+
+* posterior    q       = pi * prod_m t_m                 (server with D_s = KL)
+* cavity       q\\m    = q / t_m                          (eq. 3)
+* damped site  t_m'    = t_m * (q_m / q)**rho             (eq. 5), Delta_m = (q_m / q)**rho
+* server       q'      = q * prod_m Delta_m               (eq. 6 + closed-form eq. 7)
+
+Every object that must be a distribution is checked with ``check_proper`` and raises
+:class:`~common.errors.ImproperDistributionError` when it is not; nothing is clipped.  The caller decides
+(e.g. reject the update, or halve ``rho`` and retry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from common.errors import PGVIError
+from common.families import GaussianFactor
+
+
+def check_damping(rho: float) -> float:
+    if not (0.0 < float(rho) <= 1.0):
+        raise ValueError(f"damping rho must be in (0, 1], got {rho}")
+    return float(rho)
+
+
+def cavity(posterior: GaussianFactor, site: GaussianFactor) -> GaussianFactor:
+    """``q / t_m``, checked to be a proper distribution."""
+    return (posterior / site).check_proper("cavity")
+
+
+def damped_delta(local_posterior: GaussianFactor, posterior: GaussianFactor, rho: float) -> GaussianFactor:
+    """``Delta_m = (q_m / q) ** rho``: the change of client m's site, the only thing sent to the server."""
+    local_posterior.check_proper("local posterior")
+    return (local_posterior / posterior) ** check_damping(rho)
+
+
+def apply_deltas(posterior: GaussianFactor, deltas: Iterable[GaussianFactor], what: str = "server posterior") -> GaussianFactor:
+    """``q * prod Delta``, checked to be proper."""
+    out = posterior
+    for d in deltas:
+        out = out * d
+    return out.check_proper(what)
+
+
+ServerStep = Callable[[GaussianFactor, GaussianFactor], GaussianFactor]
+"""``(prior, global_site) -> posterior``: FedGVI eq. 7 for a server divergence D_s."""
+
+
+def kl_server_step(prior: GaussianFactor, global_site: GaussianFactor) -> GaussianFactor:
+    """Eq. 7 with D_s = KL: ``q_s = pi * exp(-l_s)``, exact in natural parameters."""
+    return prior * global_site
+
+
+class UpdateRejected(PGVIError):
+    """A client's Delta was not applied; ``reason`` says why.  The server state is unchanged."""
+
+    def __init__(self, client_id: str, reason: str) -> None:
+        self.client_id = client_id
+        self.reason = reason
+        super().__init__(f"update from client '{client_id}' rejected: {reason}")
+
+
+@dataclass
+class PGVIServerState:
+    """Prior, per-client sites (the ledger), the global loss approximation and the posterior.
+
+    ``global_site`` is ``exp(-l_s)`` = the product of all sites; ``posterior`` is the result of the
+    server step ``server_step(prior, global_site)``.  ``version`` counts applied update batches; it is
+    what clients' staleness is measured in.
+    """
+
+    prior: GaussianFactor
+    server_step: ServerStep = kl_server_step
+    sites: dict[str, GaussianFactor] = field(default_factory=dict)
+    global_site: GaussianFactor | None = None
+    posterior: GaussianFactor | None = None
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self.prior.check_proper("prior")
+        if self.global_site is None:
+            self.global_site = self.prior.zeros_like()
+        if self.posterior is None:
+            self.posterior = self.server_step(self.prior, self.global_site).check_proper("server posterior")
+
+    def site(self, client_id: str) -> GaussianFactor:
+        """Client's site from the ledger (the uniform factor for a client never heard from)."""
+        if client_id not in self.sites:
+            self.sites[client_id] = self.prior.zeros_like()
+        return self.sites[client_id]
+
+    def apply(self, deltas: Mapping[str, GaussianFactor]) -> GaussianFactor:
+        """Apply a batch of Deltas atomically (eq. 6 then eq. 7).
+
+        All Deltas are checked first: finiteness, layout, and that the resulting posterior and each
+        client's resulting cavity under the new posterior are proper.  If any check fails nothing changes
+        and :class:`UpdateRejected` names the first offending client.
+        """
+        assert self.global_site is not None and self.posterior is not None
+        new_sites = {}
+        global_site = self.global_site
+        for cid, delta in deltas.items():
+            try:
+                delta.check_finite(f"Delta from '{cid}'")
+                new_sites[cid] = self.site(cid) * delta
+                global_site = global_site * delta
+            except PGVIError as err:
+                raise UpdateRejected(cid, str(err)) from err
+        try:
+            posterior = self.server_step(self.prior, global_site).check_proper("server posterior")
+        except PGVIError as err:
+            raise UpdateRejected(",".join(deltas), str(err)) from err
+        self.sites.update(new_sites)
+        self.global_site = global_site
+        self.posterior = posterior
+        self.version += 1
+        return posterior
+
+    def check_invariant(self, atol: float = 1e-8) -> float:
+        """max |eta(global_site) - eta(prod sites)|: must be ~0 at all times (l_s = sum_m l_m)."""
+        assert self.global_site is not None
+        total = self.prior.zeros_like()
+        for s in self.sites.values():
+            total = total * s
+        return total.max_abs_diff(self.global_site)

@@ -1,0 +1,408 @@
+"""Gaussian exponential families in natural parameters.
+
+Every object here is a Gaussian *factor* ``t(theta) = exp(<eta, T(theta)>)`` stored by its natural
+parameters ``eta = (eta1, eta2)`` with sufficient statistics ``T(theta) = (theta, theta theta^T)``, so that
+
+    eta1 = Lambda mu,     eta2 = -1/2 Lambda,     Lambda = Sigma^{-1}.
+
+Factors multiply by adding natural parameters and divide by subtracting them, which is all PGVI's factor
+algebra needs.  A factor may be improper (a PVI site often has a negative precision); the moments,
+sampling, ``log_prob`` and ``entropy`` are defined only for proper factors and ``check_proper`` raises a
+typed :class:`~common.errors.ImproperDistributionError` otherwise.  Nothing is ever clipped or repaired.
+
+Two families:
+
+* :class:`MeanFieldGaussian`: a diagonal Gaussian over an ordered dict of named tensors (e.g. all the
+  weights and biases of a network).  Transport keys ``"eta1/<name>"`` and ``"eta2/<name>"``.
+* :class:`FullCovarianceGaussian`: a full-covariance Gaussian over one vector ``theta`` of small
+  dimension ``d``; ``d = 1`` is the univariate case.  Transport keys ``"eta1"`` and ``"eta2"``.
+
+The log-normaliser ``A(eta)`` includes the ``d/2 log(2 pi)`` of the base measure, so that
+``log_prob(theta) = <eta, T(theta)> - A(eta)`` and ``entropy = A(eta) - <eta, E[T]>``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from common.errors import ImproperDistributionError, NonFiniteError, ShapeMismatchError
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+F = TypeVar("F", bound="GaussianFactor")
+
+
+class GaussianFactor(ABC):
+    """A Gaussian factor in natural parameters, possibly improper.
+
+    Subclasses fix how the flat dict of named tensors ``self.params`` is read (which keys hold ``eta1``
+    and ``eta2``); the algebra (product, quotient, power, comparison, transport) is shared.
+    """
+
+    def __init__(self, params: Mapping[str, Tensor]) -> None:
+        self.params: dict[str, Tensor] = dict(params)
+
+    # ----------------------------------------------------------------------------------------------
+    # construction
+    @abstractmethod
+    def _like(self: F, params: Mapping[str, Tensor]) -> F:
+        """A factor of the same family and layout with other natural parameters."""
+
+    def zeros_like(self: F) -> F:
+        """The uniform factor (all natural parameters zero): the initial PVI site."""
+        return self._like({k: torch.zeros_like(v) for k, v in self.params.items()})
+
+    # ----------------------------------------------------------------------------------------------
+    # algebra
+    def _check_compatible(self, other: GaussianFactor) -> None:
+        if type(self) is not type(other):
+            raise ShapeMismatchError(f"cannot combine {type(self).__name__} with {type(other).__name__}")
+        if self.params.keys() != other.params.keys():
+            raise ShapeMismatchError(
+                f"natural parameters differ in names: {sorted(self.params)} vs {sorted(other.params)}"
+            )
+        for k, v in self.params.items():
+            if v.shape != other.params[k].shape:
+                raise ShapeMismatchError(f"'{k}' has shape {tuple(v.shape)} vs {tuple(other.params[k].shape)}")
+
+    def __mul__(self: F, other: F) -> F:
+        """Product of factors: natural parameters add."""
+        self._check_compatible(other)
+        return self._like({k: v + other.params[k] for k, v in self.params.items()})
+
+    def __truediv__(self: F, other: F) -> F:
+        """Quotient of factors: natural parameters subtract."""
+        self._check_compatible(other)
+        return self._like({k: v - other.params[k] for k, v in self.params.items()})
+
+    def __pow__(self: F, power: float) -> F:
+        """``t ** rho``: natural parameters scale by ``rho`` (damping, tempering)."""
+        return self._like({k: v * power for k, v in self.params.items()})
+
+    def combine(self: F, other: F, a: float, b: float) -> F:
+        """``self**a * other**b``, i.e. natural parameters ``a * eta_self + b * eta_other``."""
+        self._check_compatible(other)
+        return self._like({k: a * v + b * other.params[k] for k, v in self.params.items()})
+
+    def allclose(self, other: GaussianFactor, rtol: float = 0.0, atol: float = 1e-8) -> bool:
+        self._check_compatible(other)
+        return all(torch.allclose(v, other.params[k], rtol=rtol, atol=atol) for k, v in self.params.items())
+
+    def max_abs_diff(self, other: GaussianFactor) -> float:
+        self._check_compatible(other)
+        return max(float((v - other.params[k]).abs().max()) for k, v in self.params.items())
+
+    # ----------------------------------------------------------------------------------------------
+    # dtype / transport
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.params.values())).dtype
+
+    def to(self: F, dtype: torch.dtype) -> F:
+        return self._like({k: v.to(dtype) for k, v in self.params.items()})
+
+    def detach(self: F) -> F:
+        return self._like({k: v.detach() for k, v in self.params.items()})
+
+    def clone(self: F) -> F:
+        return self._like({k: v.detach().clone() for k, v in self.params.items()})
+
+    def numel(self) -> int:
+        """Number of scalars in the natural parameters (the transport payload)."""
+        return sum(v.numel() for v in self.params.values())
+
+    def to_numpy(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().cpu().numpy() for k, v in self.params.items()}
+
+    def from_numpy(self: F, arrays: Mapping[str, np.ndarray]) -> F:
+        """A factor of this layout from named arrays; names, shapes and finiteness are checked."""
+        if set(arrays) != set(self.params):
+            raise ShapeMismatchError(
+                f"expected arrays {sorted(self.params)}, got {sorted(arrays)}"
+            )
+        out = {}
+        for k, ref in self.params.items():
+            a = np.asarray(arrays[k])
+            if tuple(a.shape) != tuple(ref.shape):
+                raise ShapeMismatchError(f"'{k}' has shape {tuple(a.shape)}, expected {tuple(ref.shape)}")
+            if not np.issubdtype(a.dtype, np.floating):
+                raise ShapeMismatchError(f"'{k}' has dtype {a.dtype}, expected a floating dtype")
+            t = torch.as_tensor(np.array(a, copy=True), dtype=ref.dtype)
+            out[k] = t
+        factor = self._like(out)
+        factor.check_finite(what="received natural parameters")
+        return factor
+
+    def check_finite(self: F, what: str = "factor") -> F:
+        for k, v in self.params.items():
+            if not torch.isfinite(v).all():
+                bad = int((~torch.isfinite(v)).sum())
+                raise NonFiniteError(f"{what}: '{k}' has {bad} non-finite entries")
+        return self
+
+    # ----------------------------------------------------------------------------------------------
+    # properness
+    @abstractmethod
+    def improper_detail(self) -> str | None:
+        """``None`` if the factor is a proper distribution, else a description of what is wrong."""
+
+    def is_proper(self) -> bool:
+        return self.improper_detail() is None
+
+    def check_proper(self: F, what: str = "distribution") -> F:
+        """Return ``self`` if proper, else raise :class:`ImproperDistributionError` naming ``what``."""
+        detail = self.improper_detail()
+        if detail is not None:
+            raise ImproperDistributionError(what, detail)
+        return self
+
+    # ----------------------------------------------------------------------------------------------
+    # exponential-family quantities (proper factors only)
+    @abstractmethod
+    def log_normalizer(self) -> Tensor:
+        """``A(eta) = log int exp(<eta, T(theta)>) dtheta`` (scalar tensor), differentiable."""
+
+    @abstractmethod
+    def mean_parameters(self) -> dict[str, Tensor]:
+        """``E[T(theta)]`` laid out like ``self.params`` (the gradient of ``A``)."""
+
+    def inner(self, stats: Mapping[str, Tensor]) -> Tensor:
+        """``<eta, s>`` for sufficient statistics ``s`` laid out like ``self.params`` (no batch dims)."""
+        return sum((v * stats[k]).sum() for k, v in self.params.items())  # type: ignore[return-value]
+
+    def entropy(self) -> Tensor:
+        self.check_proper("distribution in entropy()")
+        return self.log_normalizer() - self.inner(self.mean_parameters())
+
+    @abstractmethod
+    def rsample(self, n: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        """``n`` reparameterised samples: a dict of named tensors with a leading sample dimension."""
+
+    @abstractmethod
+    def log_prob(self, theta: Mapping[str, Tensor]) -> Tensor:
+        """Log density of samples shaped like :meth:`rsample`'s output; returns shape ``(n,)``."""
+
+
+# ==================================================================================================
+class MeanFieldGaussian(GaussianFactor):
+    """Diagonal Gaussian over an ordered dict of named tensors, in natural parameters."""
+
+    def __init__(self, eta1: Mapping[str, Tensor], eta2: Mapping[str, Tensor]) -> None:
+        if list(eta1) != list(eta2):
+            raise ShapeMismatchError("eta1 and eta2 must name the same tensors in the same order")
+        for n in eta1:
+            if eta1[n].shape != eta2[n].shape:
+                raise ShapeMismatchError(f"'{n}': eta1 {tuple(eta1[n].shape)} vs eta2 {tuple(eta2[n].shape)}")
+        self.names: list[str] = list(eta1)
+        params = {f"eta1/{n}": eta1[n] for n in self.names}
+        params.update({f"eta2/{n}": eta2[n] for n in self.names})
+        super().__init__(params)
+
+    def _like(self, params: Mapping[str, Tensor]) -> MeanFieldGaussian:
+        return MeanFieldGaussian(
+            {n: params[f"eta1/{n}"] for n in self.names}, {n: params[f"eta2/{n}"] for n in self.names}
+        )
+
+    # constructors ---------------------------------------------------------------------------------
+    @classmethod
+    def from_mean_variance(cls, mean: Mapping[str, Tensor], variance: Mapping[str, Tensor]) -> MeanFieldGaussian:
+        return cls({n: mean[n] / variance[n] for n in mean}, {n: -0.5 / variance[n] for n in mean})
+
+    @classmethod
+    def isotropic(
+        cls,
+        shapes: Mapping[str, tuple[int, ...]],
+        mean: float = 0.0,
+        variance: float = 1.0,
+        dtype: torch.dtype = torch.float64,
+    ) -> MeanFieldGaussian:
+        """``N(mean, variance I)`` over tensors of the given shapes (e.g. the prior ``N(0, I)``)."""
+        m = {n: torch.full(s, float(mean), dtype=dtype) for n, s in shapes.items()}
+        v = {n: torch.full(s, float(variance), dtype=dtype) for n, s in shapes.items()}
+        return cls.from_mean_variance(m, v)
+
+    @classmethod
+    def uniform(cls, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float64) -> MeanFieldGaussian:
+        """The zero factor over tensors of the given shapes."""
+        z = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
+        return cls(z, {n: t.clone() for n, t in z.items()})
+
+    # accessors ------------------------------------------------------------------------------------
+    @property
+    def eta1(self) -> dict[str, Tensor]:
+        return {n: self.params[f"eta1/{n}"] for n in self.names}
+
+    @property
+    def eta2(self) -> dict[str, Tensor]:
+        return {n: self.params[f"eta2/{n}"] for n in self.names}
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(self.params[f"eta1/{n}"].shape) for n in self.names}
+
+    def precision(self) -> dict[str, Tensor]:
+        return {n: -2.0 * e2 for n, e2 in self.eta2.items()}
+
+    def mean(self) -> dict[str, Tensor]:
+        return {n: self.params[f"eta1/{n}"] / (-2.0 * self.params[f"eta2/{n}"]) for n in self.names}
+
+    def variance(self) -> dict[str, Tensor]:
+        return {n: -0.5 / self.params[f"eta2/{n}"] for n in self.names}
+
+    def improper_detail(self) -> str | None:
+        problems = []
+        for n in self.names:
+            e1, e2 = self.params[f"eta1/{n}"], self.params[f"eta2/{n}"]
+            if not (torch.isfinite(e1).all() and torch.isfinite(e2).all()):
+                problems.append(f"'{n}' has non-finite natural parameters")
+                continue
+            bad = e2 >= 0
+            if bad.any():
+                problems.append(
+                    f"'{n}': {int(bad.sum())} of {e2.numel()} precisions <= 0 "
+                    f"(smallest {float((-2.0 * e2).min()):.4g})"
+                )
+        return "; ".join(problems) if problems else None
+
+    # exponential family ---------------------------------------------------------------------------
+    def log_normalizer_elementwise(self) -> dict[str, Tensor]:
+        """``A`` of each univariate coordinate (sums to :meth:`log_normalizer`)."""
+        out = {}
+        for n in self.names:
+            e1, e2 = self.params[f"eta1/{n}"], self.params[f"eta2/{n}"]
+            out[n] = -e1 * e1 / (4.0 * e2) - 0.5 * torch.log(-2.0 * e2) + 0.5 * _LOG_2PI
+        return out
+
+    def log_normalizer(self) -> Tensor:
+        return sum(a.sum() for a in self.log_normalizer_elementwise().values())  # type: ignore[return-value]
+
+    def mean_parameters(self) -> dict[str, Tensor]:
+        m, v = self.mean(), self.variance()
+        out = {f"eta1/{n}": m[n] for n in self.names}
+        out.update({f"eta2/{n}": m[n] * m[n] + v[n] for n in self.names})
+        return out
+
+    def rsample(self, n: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        self.check_proper("distribution in rsample()")
+        m, v = self.mean(), self.variance()
+        out = {}
+        for k in self.names:
+            eps = torch.randn((n, *m[k].shape), dtype=m[k].dtype, generator=generator)
+            out[k] = m[k] + v[k].sqrt() * eps
+        return out
+
+    def log_prob(self, theta: Mapping[str, Tensor]) -> Tensor:
+        self.check_proper("distribution in log_prob()")
+        total = -self.log_normalizer()
+        for k in self.names:
+            x = theta[k]
+            red = tuple(range(1, x.dim()))
+            total = total + (self.params[f"eta1/{k}"] * x + self.params[f"eta2/{k}"] * x * x).sum(dim=red)
+        return total
+
+
+# ==================================================================================================
+class FullCovarianceGaussian(GaussianFactor):
+    """Full-covariance Gaussian over one vector ``theta`` in R^d, in natural parameters.
+
+    ``eta2`` is stored as a symmetric ``(d, d)`` matrix.  ``name`` is the key under which samples are
+    returned, so models can read ``theta[name]`` whichever family produced it.
+    """
+
+    def __init__(self, eta1: Tensor, eta2: Tensor, name: str = "theta") -> None:
+        if eta1.dim() != 1 or eta2.shape != (eta1.shape[0], eta1.shape[0]):
+            raise ShapeMismatchError(f"eta1 must be (d,) and eta2 (d, d); got {tuple(eta1.shape)}, {tuple(eta2.shape)}")
+        self.name = name
+        super().__init__({"eta1": eta1, "eta2": eta2})
+
+    def _like(self, params: Mapping[str, Tensor]) -> FullCovarianceGaussian:
+        return FullCovarianceGaussian(params["eta1"], params["eta2"], name=self.name)
+
+    @classmethod
+    def from_mean_covariance(cls, mean: Tensor, covariance: Tensor, name: str = "theta") -> FullCovarianceGaussian:
+        precision = torch.linalg.inv(covariance)
+        precision = 0.5 * (precision + precision.T)
+        return cls(precision @ mean, -0.5 * precision, name=name)
+
+    @classmethod
+    def from_mean_precision(cls, mean: Tensor, precision: Tensor, name: str = "theta") -> FullCovarianceGaussian:
+        return cls(precision @ mean, -0.5 * precision, name=name)
+
+    @classmethod
+    def uniform(cls, d: int, dtype: torch.dtype = torch.float64, name: str = "theta") -> FullCovarianceGaussian:
+        return cls(torch.zeros(d, dtype=dtype), torch.zeros(d, d, dtype=dtype), name=name)
+
+    @property
+    def dim(self) -> int:
+        return int(self.params["eta1"].shape[0])
+
+    @property
+    def eta1(self) -> Tensor:
+        return self.params["eta1"]
+
+    @property
+    def eta2(self) -> Tensor:
+        return self.params["eta2"]
+
+    def precision(self) -> Tensor:
+        return -2.0 * self.params["eta2"]
+
+    def _cholesky_precision(self) -> Tensor:
+        lam = self.precision()
+        chol, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
+        if int(info) != 0:
+            raise ImproperDistributionError("distribution", self.improper_detail() or "precision not PD")
+        return chol
+
+    def covariance(self) -> Tensor:
+        return torch.cholesky_inverse(self._cholesky_precision())
+
+    def mean(self) -> Tensor:
+        return torch.cholesky_solve(self.params["eta1"].unsqueeze(-1), self._cholesky_precision()).squeeze(-1)
+
+    def improper_detail(self) -> str | None:
+        e1, e2 = self.params["eta1"], self.params["eta2"]
+        if not (torch.isfinite(e1).all() and torch.isfinite(e2).all()):
+            return "non-finite natural parameters"
+        lam = -2.0 * e2
+        asym = float((lam - lam.T).abs().max())
+        scale = float(lam.abs().max()) if lam.numel() else 0.0
+        if asym > 1e-8 * max(1.0, scale):
+            return f"precision is not symmetric (max asymmetry {asym:.3g})"
+        _, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
+        if int(info) != 0:
+            eig = torch.linalg.eigvalsh(0.5 * (lam + lam.T))
+            return f"precision is not positive definite (smallest eigenvalue {float(eig.min()):.4g})"
+        return None
+
+    def log_normalizer(self) -> Tensor:
+        chol = self._cholesky_precision()
+        e1 = self.params["eta1"]
+        z = torch.linalg.solve_triangular(chol, e1.unsqueeze(-1), upper=False).squeeze(-1)
+        logdet = 2.0 * torch.log(torch.diagonal(chol)).sum()
+        return 0.5 * (z * z).sum() - 0.5 * logdet + 0.5 * self.dim * _LOG_2PI
+
+    def mean_parameters(self) -> dict[str, Tensor]:
+        m, s = self.mean(), self.covariance()
+        return {"eta1": m, "eta2": s + torch.outer(m, m)}
+
+    def rsample(self, n: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        # theta = mu + L^{-T} z with Lambda = L L^T has covariance Lambda^{-1}
+        chol = self._cholesky_precision()
+        m = self.mean()
+        z = torch.randn((n, self.dim), dtype=m.dtype, generator=generator)
+        x = torch.linalg.solve_triangular(chol.T, z.T, upper=True).T
+        return {self.name: m + x}
+
+    def log_prob(self, theta: Mapping[str, Tensor]) -> Tensor:
+        self.check_proper("distribution in log_prob()")
+        x = theta[self.name]
+        quad = torch.einsum("ni,ij,nj->n", x, self.params["eta2"], x)
+        return x @ self.params["eta1"] + quad - self.log_normalizer()

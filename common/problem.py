@@ -1,0 +1,193 @@
+"""Build a PGVI problem (data shard, model, prior, loss, divergences, optimiser settings) from a RunConfig.
+
+The server, every client and the in-process runner call the same builder, so a run's pieces agree by
+construction: the same seed gives every client the same partition of the same contaminated training set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from common.config import RunConfig
+from common.divergences import Divergence, make_divergence
+from common.factors import ServerStep
+from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from common.local_gvi import LocalGVIConfig
+from common.losses import Loss, make_loss
+from common.models import LikelihoodModel, make_model
+from common.server_gvi import make_server_step
+
+SYNTHETIC_DATASETS = ("synthetic_gaussian_location", "synthetic_linear_regression", "synthetic_logistic_2d")
+
+
+@dataclass(frozen=True)
+class ArraysSplit:
+    """Train/test arrays of one dataset (or one client's shard of it)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int  # 0 for regression / location models
+
+    @property
+    def in_features(self) -> int:
+        return int(self.x_train.shape[1]) if self.x_train.ndim == 2 else 0
+
+
+def _synthetic(cfg: RunConfig) -> ArraysSplit:
+    rng = np.random.default_rng(cfg.seed)
+    n, n_test = 60 * cfg.num_clients, 200
+    if cfg.dataset == "synthetic_gaussian_location":
+        # y ~ N(theta*, sigma^2), theta* = 1.5: the conjugate model of the parity tests
+        y = rng.normal(1.5, cfg.likelihood_sigma, size=(n + n_test, 1))
+        x = np.zeros((n + n_test, 0))
+        return ArraysSplit(x[:n], y[:n], x[n:], y[n:], 0)
+    if cfg.dataset == "synthetic_linear_regression":
+        theta = np.array([0.5, -1.0, 2.0])
+        x = rng.normal(size=(n + n_test, 3))
+        y = (x @ theta + 0.3 + cfg.likelihood_sigma * rng.normal(size=n + n_test))[:, None]
+        return ArraysSplit(x[:n], y[:n], x[n:], y[n:], 0)
+    if cfg.dataset == "synthetic_logistic_2d":
+        from common.data.synthetic import logistic_2d_with_outliers
+
+        d = logistic_2d_with_outliers(seed=cfg.seed)
+        return ArraysSplit(d["x_train"], d["y_train"], d["x_test"], d["y_test"], 2)
+    raise KeyError(cfg.dataset)
+
+
+@lru_cache(maxsize=4)
+def _full_dataset(cfg: RunConfig) -> ArraysSplit:
+    if cfg.dataset in SYNTHETIC_DATASETS:
+        return _synthetic(cfg)
+    from common.data.datasets import load_dataset
+
+    ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, download=cfg.download, seed=cfg.seed,
+                      test_fraction=cfg.test_fraction)
+    return ArraysSplit(ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.num_classes)
+
+
+def load_full_data(cfg: RunConfig) -> ArraysSplit:
+    """The whole dataset, training labels contaminated as configured (the test set stays clean)."""
+    data = _full_dataset(cfg)
+    if cfg.label_noise > 0 and data.num_classes > 1:
+        from common.data.contamination import class_map_flip, random_flip
+
+        flip = random_flip if cfg.label_noise_kind == "random" else class_map_flip
+        y_train, _ = flip(data.y_train, cfg.label_noise, data.num_classes, seed=cfg.seed + 4242)
+        data = ArraysSplit(data.x_train, y_train, data.x_test, data.y_test, data.num_classes)
+    return data
+
+
+def client_shard(cfg: RunConfig, partition_id: int) -> ArraysSplit:
+    """Client ``partition_id``'s share of the (contaminated) training set and of the test set."""
+    if not 0 <= partition_id < cfg.num_clients:
+        raise ValueError(f"partition-id {partition_id} is outside [0, num-clients={cfg.num_clients})")
+    data = load_full_data(cfg)
+    from common.data.partition import partition
+
+    kw: dict = {}
+    if cfg.partitioner == "dirichlet":
+        kw["alpha"] = cfg.dirichlet_alpha
+    elif cfg.partitioner == "label_skew":
+        kw["classes_per_partition"] = cfg.classes_per_client
+    if data.num_classes > 1:
+        labels = data.y_train
+        test_labels = data.y_test
+    else:  # regression: partition uniformly
+        labels = np.zeros(len(data.y_train), dtype=np.int64)
+        test_labels = np.zeros(len(data.y_test), dtype=np.int64)
+    name = cfg.partitioner if data.num_classes > 1 else "iid"
+    train_idx = partition(name, labels, cfg.num_clients, seed=cfg.seed, **kw)[partition_id]
+    test_idx = partition("iid", test_labels, cfg.num_clients, seed=cfg.seed + 1)[partition_id]
+    return ArraysSplit(data.x_train[train_idx], data.y_train[train_idx], data.x_test[test_idx],
+                       data.y_test[test_idx], data.num_classes)
+
+
+@dataclass
+class Problem:
+    cfg: RunConfig
+    model: LikelihoodModel
+    prior: GaussianFactor
+    loss: Loss
+    divergence: Divergence
+    server_step: ServerStep
+    local: LocalGVIConfig
+    dtype: torch.dtype
+
+    def tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        xt = torch.as_tensor(np.asarray(x), dtype=self.dtype)
+        if self.model.is_classifier:
+            yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+        else:
+            yt = torch.as_tensor(np.asarray(y), dtype=self.dtype)
+        return xt, yt
+
+
+def _loss(cfg: RunConfig) -> Loss:
+    hyper = {
+        "nll": {},
+        "gce": {"delta": cfg.loss_delta},
+        "beta": {"beta": cfg.loss_beta},
+        "gamma": {"gamma": cfg.loss_gamma},
+        "score_matching": {"weight": cfg.sm_weight, "c": cfg.sm_c},
+    }[cfg.loss]
+    return make_loss(cfg.loss, **hyper)
+
+
+def _divergence(name: str, alpha: float, w: float) -> Divergence:
+    hyper = {"alpha_renyi": {"alpha": alpha}, "weighted_kl": {"w": w}}.get(name, {})
+    return make_divergence(name, **hyper)
+
+
+def _model(cfg: RunConfig, data: ArraysSplit) -> LikelihoodModel:
+    if cfg.model == "gaussian_location":
+        return make_model("gaussian_location", dim=int(data.y_train.shape[1]), sigma=cfg.likelihood_sigma)
+    if cfg.model == "linear_regression":
+        return make_model("linear_regression", in_features=data.in_features, sigma=cfg.likelihood_sigma)
+    if cfg.model == "logistic_regression":
+        return make_model("logistic_regression", in_features=data.in_features, num_classes=max(2, data.num_classes))
+    return make_model("bnn", in_features=data.in_features, hidden=cfg.hidden_sizes, num_classes=data.num_classes)
+
+
+def build_problem(cfg: RunConfig, data: ArraysSplit | None = None) -> Problem:
+    """Everything but the data shard; ``data`` (default: the full dataset) fixes input/output sizes."""
+    data = data if data is not None else load_full_data(cfg)
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+    model = _model(cfg, data)
+    shapes = model.param_shapes
+    if cfg.family == "full_covariance":
+        if list(shapes) != ["theta"]:
+            raise ValueError(f"family full_covariance needs a single-vector model, '{cfg.model}' has {list(shapes)}")
+        (d,) = shapes["theta"]
+        prior: GaussianFactor = FullCovarianceGaussian.from_mean_covariance(
+            torch.full((d,), cfg.prior_mean, dtype=dtype), cfg.prior_variance * torch.eye(d, dtype=dtype)
+        )
+    else:
+        prior = MeanFieldGaussian.isotropic(shapes, cfg.prior_mean, cfg.prior_variance, dtype=dtype)
+    local = LocalGVIConfig(
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size or None,
+        lr=cfg.lr,
+        lr_scale=cfg.lr_scale,
+        n_samples=cfg.mc_samples,
+        patience=cfg.patience,
+        seed=cfg.seed,
+        init=cfg.init,
+        local_reparam=cfg.local_reparam,
+    )
+    server_hyper = {"alpha": cfg.server_divergence_alpha} if cfg.server_divergence == "alpha_renyi" else {}
+    return Problem(
+        cfg=cfg,
+        model=model,
+        prior=prior,
+        loss=_loss(cfg),
+        divergence=_divergence(cfg.divergence, cfg.divergence_alpha, cfg.divergence_w),
+        server_step=make_server_step(cfg.server_divergence, **server_hyper),
+        local=local,
+        dtype=dtype,
+    )

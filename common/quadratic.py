@@ -1,0 +1,62 @@
+"""Losses that are quadratic in a parameter vector: ``L(theta) = 1/2 theta^T P theta - h^T theta + c``.
+
+The NLL of the Gaussian location and linear-Gaussian models and the weighted score-matching loss of
+those models (FedGVI Prop. 4.9) have this form.  Two things follow:
+
+* the expectation under a Gaussian is closed form: ``E_q[L] = 1/2 (tr(P Sigma) + mu^T P mu) - h^T mu + c``;
+* ``exp(-w L)`` is a Gaussian factor with ``eta1 = w h`` and ``eta2 = -w P / 2``, so the GVI problem
+  ``E_q[L] + (1/w) KL(q : cavity)`` has the conjugate solution ``cavity * exp(-w L)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+
+
+@dataclass
+class QuadraticLoss:
+    precision: Tensor  # P, (d, d), symmetric positive semi-definite for the losses here
+    shift: Tensor  # h, (d,)
+    constant: Tensor | float = 0.0
+    name: str = "theta"
+
+    def __add__(self, other: QuadraticLoss) -> QuadraticLoss:
+        return QuadraticLoss(self.precision + other.precision, self.shift + other.shift,
+                             self.constant + other.constant, self.name)
+
+    def value(self, theta: Tensor) -> Tensor:
+        """``L(theta)`` for ``theta`` of shape ``(..., d)``."""
+        quad = 0.5 * torch.einsum("...i,ij,...j->...", theta, self.precision, theta)
+        return quad - theta @ self.shift + self.constant
+
+    def expectation(self, mean: Tensor, covariance: Tensor) -> Tensor:
+        """``E_{N(mean, covariance)}[L]``; ``covariance`` may be ``(d, d)`` or the diagonal ``(d,)``."""
+        if covariance.dim() == 1:
+            tr = (torch.diagonal(self.precision) * covariance).sum()
+        else:
+            tr = (self.precision * covariance).sum()
+        return 0.5 * (tr + mean @ self.precision @ mean) - mean @ self.shift + self.constant
+
+    def as_factor(self, like: GaussianFactor, weight: float = 1.0) -> GaussianFactor:
+        """The Gaussian factor ``exp(-weight * L)`` in the layout of ``like``.
+
+        For a :class:`MeanFieldGaussian` the precision must be diagonal (exact conjugacy); otherwise a
+        ``ValueError`` is raised rather than silently dropping the off-diagonal terms.
+        """
+        eta1 = weight * self.shift
+        eta2 = -0.5 * weight * self.precision
+        if isinstance(like, FullCovarianceGaussian):
+            return FullCovarianceGaussian(eta1.to(like.dtype), eta2.to(like.dtype), name=like.name)
+        if isinstance(like, MeanFieldGaussian):
+            off = self.precision - torch.diag(torch.diagonal(self.precision))
+            if off.abs().max() > 0:
+                raise ValueError("a quadratic loss with off-diagonal precision is not conjugate to a mean-field Gaussian")
+            if like.names != [self.name]:
+                raise ValueError(f"mean-field layout {like.names} does not match parameter '{self.name}'")
+            return MeanFieldGaussian({self.name: eta1.to(like.dtype)}, {self.name: torch.diagonal(eta2).to(like.dtype)})
+        raise TypeError(f"unsupported family {type(like).__name__}")

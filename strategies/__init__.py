@@ -1,0 +1,1 @@
+"""The PGVI server algorithm as a Flower Strategy, its schedules and its records."""

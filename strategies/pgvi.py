@@ -1,0 +1,473 @@
+"""The PGVI server as a Flower Strategy (Message API).
+
+The strategy holds the prior, the global loss approximation ``exp(-l_s)`` (the product of the sites), the
+ledger of every client's site keyed by the client's *stable* id (``client-id`` from its node config, learnt
+through a ``query`` message; node ids change when a SuperNode restarts), the server divergence step and the
+current posterior.  It sends each selected client the posterior's natural parameters and the version of that
+client's site in the ledger, receives Deltas, validates them and applies them:
+
+* ``synchronous``: sample a fraction of the clients, apply the batch of Deltas atomically;
+* ``sequential``: one client at a time in a fixed order (rho = 1 by default);
+* ``asynchronous``: one message in flight per client; apply each Delta on arrival, re-dispatch at once,
+  record its staleness (posterior versions elapsed) and reject updates staler than ``max-staleness``.
+
+A Delta is applied only if it decodes to the right names/shapes/dtypes, is finite, was computed against
+the ledger's version of the client's site, keeps the posterior proper, and (async) is fresh enough.
+Otherwise it is rejected with a logged reason, counted in the round's metrics, and the state is unchanged;
+the client then rolls its pending site back (see ``common.client_state``).  A client that fails or times out
+keeps its old site and the run continues.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+
+from common import protocol as P
+from common.errors import PGVIError
+from common.factors import PGVIServerState, UpdateRejected
+from common.families import GaussianFactor
+from common.problem import Problem
+from strategies.codec import factor_to_record, record_to_factor
+
+ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
+
+
+@dataclass
+class Reply:
+    """A decoded, not yet applied train reply."""
+
+    node_id: int
+    client_id: str
+    delta: GaussianFactor
+    base_version: int
+    sent_version: int
+    metrics: dict[str, float]
+    reply_bytes: int
+
+
+@dataclass
+class RoundStats:
+    sent: int = 0
+    replied: int = 0
+    applied: int = 0
+    rejected: int = 0
+    failed: int = 0
+    resync: int = 0
+    staleness: list[int] = field(default_factory=list)
+    reply_bytes: int = 0
+    client_seconds: list[float] = field(default_factory=list)
+    num_examples: float = 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {
+            "sent": self.sent,
+            "replied": self.replied,
+            "applied": self.applied,
+            "rejected": self.rejected,
+            "failed": self.failed,
+            "resync": self.resync,
+            "reply-bytes": self.reply_bytes,
+            "num-examples": self.num_examples,
+        }
+        if self.staleness:
+            out["staleness-mean"] = sum(self.staleness) / len(self.staleness)
+            out["staleness-max"] = max(self.staleness)
+        if self.client_seconds:
+            out["client-seconds-max"] = max(self.client_seconds)
+            out["client-seconds-mean"] = sum(self.client_seconds) / len(self.client_seconds)
+        return {k: float(v) for k, v in out.items()}
+
+
+class PGVIStrategy(Strategy):
+    """PGVI / FedGVI server.  ``start(grid)`` runs the configured schedule and returns a Flower ``Result``."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        *,
+        server_evaluate: ServerEvaluate | None = None,
+        on_round_end: Callable[[int, dict[str, float]], None] | None = None,
+        poll_interval: float = 0.2,
+    ) -> None:
+        self.problem = problem
+        self.cfg = problem.cfg
+        self.state = PGVIServerState(prior=problem.prior, server_step=problem.server_step)
+        self.ledger_versions: dict[str, int] = {}  # client id -> number of Deltas applied to its site
+        self.node_client: dict[int, str] = {}  # node id -> stable client id
+        self.resync: set[str] = set()  # clients that must be sent their ledger site
+        self.rejections: list[dict[str, object]] = []
+        self.server_evaluate = server_evaluate
+        self.on_round_end = on_round_end
+        self.poll_interval = poll_interval
+        self.rng = random.Random(self.cfg.seed)
+        self.rho = self.cfg.rho()
+        self._posterior_record: tuple[int, ArrayRecord] | None = None
+        self.history: list[dict[str, float]] = []
+
+    # =============================================================================================
+    # Flower Strategy interface (one synchronous round)
+    def summary(self) -> None:
+        c = self.cfg
+        log(INFO, "\t├── PGVI: model %s, family %s, %d parameters", c.model, c.family, self.problem.prior.numel() // 2)
+        log(INFO, "\t├── client objective: loss %s + divergence %s; server divergence %s", c.loss, c.divergence, c.server_divergence)
+        log(INFO, "\t├── schedule %s, damping rho = %.4g, fraction %.2f, min clients %d", c.schedule, self.rho, c.fraction_train, c.min_clients)
+        log(INFO, "\t└── local: %d epochs, lr %.3g/%.3g, %d MC samples, batch %s", c.local_epochs, c.lr, c.lr_scale, c.mc_samples, c.batch_size or "full")
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        nodes = self._sample_nodes(grid)
+        return [self._train_message(n, server_round) for n in nodes]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        stats = RoundStats()
+        decoded = self._decode_replies(server_round, replies, stats)
+        self._apply_batch(server_round, decoded, stats)
+        return self._current_record(), MetricRecord(stats.as_metrics())
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        if not self.cfg.evaluate_clients:
+            return []
+        content = RecordDict({P.POSTERIOR: self._current_record(), P.CONFIG: ConfigRecord({"server-round": server_round})})
+        return [Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in self._known_nodes(grid)]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        totals: dict[str, float] = {}
+        n_total = 0.0
+        for msg in replies:
+            if msg.has_error() or P.METRICS not in msg.content:
+                continue
+            m = dict(msg.content[P.METRICS])
+            n = float(m.get("num-examples", 0.0))
+            if n <= 0:
+                continue
+            n_total += n
+            for k, v in m.items():
+                if k != "num-examples" and isinstance(v, (int, float)):
+                    totals[k] = totals.get(k, 0.0) + n * float(v)
+        if n_total == 0:
+            return None
+        out = {f"client-{k}": v / n_total for k, v in totals.items()}
+        out["client-num-examples"] = n_total
+        return MetricRecord(out)
+
+    # =============================================================================================
+    # running the schedules
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run PGVI.  The initial posterior is the prior (``initial_arrays`` is not used: PGVI starts at pi)."""
+        num_rounds = num_rounds or self.cfg.num_server_rounds
+        timeout = timeout or self.cfg.round_timeout_s
+        log(INFO, "Starting PGVI strategy (%s schedule, %d rounds)", self.cfg.schedule, num_rounds)
+        self.summary()
+        self._wait_for_clients(grid)
+        result = Result()
+        t0 = time.time()
+        self._record_round(0, RoundStats(), grid, result, do_client_eval=False)
+        if self.cfg.schedule == "asynchronous":
+            self._run_asynchronous(grid, num_rounds, timeout, result)
+        else:
+            for rnd in range(1, num_rounds + 1):
+                stats = RoundStats()
+                if self.cfg.schedule == "synchronous":
+                    self._round_synchronous(grid, rnd, timeout, stats)
+                else:
+                    self._round_sequential(grid, rnd, timeout, stats)
+                result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
+                self._record_round(rnd, stats, grid, result, do_client_eval=True)
+        result.arrays = self._current_record()
+        log(INFO, "PGVI finished in %.2fs: %d updates applied, %d rejected", time.time() - t0,
+            sum(self.ledger_versions.values()), len(self.rejections))
+        return result
+
+    def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
+        msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
+        stats.sent += len(msgs)
+        replies = self._send_and_receive(grid, msgs, timeout)
+        decoded = self._decode_replies(rnd, replies, stats)
+        self._apply_batch(rnd, decoded, stats)
+
+    def _round_sequential(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
+        nodes = self._sample_nodes(grid)
+        by_client = {self.node_client[n]: n for n in nodes}
+        order = [c.strip() for c in self.cfg.sequential_order.split(",") if c.strip()] or sorted(by_client)
+        for cid in order:
+            node = by_client.get(cid)
+            if node is None:
+                continue
+            stats.sent += 1
+            replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout)
+            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
+
+    def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
+        """Keep one message in flight per client; a 'round' is num-clients applied-or-rejected updates."""
+        per_round = max(1, len(self._sample_nodes(grid)))
+        inflight: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent time)
+        busy: set[int] = set()
+        rnd, stats = 1, RoundStats()
+        deadline = time.time() + timeout * num_rounds
+        while rnd <= num_rounds:
+            if time.time() > deadline:
+                log(WARNING, "asynchronous schedule: overall deadline reached at round %d", rnd)
+                break
+            free = [n for n in self._sample_nodes(grid, fraction=1.0) if n not in busy]
+            if free:
+                msgs = [self._train_message(n, rnd) for n in free]
+                for mid, msg in zip(grid.push_messages(msgs), msgs):
+                    inflight[mid] = (msg.metadata.dst_node_id, time.time())
+                    busy.add(msg.metadata.dst_node_id)
+                stats.sent += len(msgs)
+            replies = list(grid.pull_messages(list(inflight))) if inflight else []
+            for reply in replies:
+                node, _ = inflight.pop(reply.metadata.reply_to_message_id, (reply.metadata.src_node_id, 0.0))
+                busy.discard(node)
+                for d in self._decode_replies(rnd, [reply], stats):
+                    staleness = self.state.version - d.sent_version
+                    stats.staleness.append(staleness)
+                    if staleness > self.cfg.max_staleness:
+                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.max_staleness})", stats)
+                        continue
+                    self._apply_batch(rnd, [d], stats)
+            now = time.time()
+            for mid, (node, sent) in list(inflight.items()):
+                if now - sent > timeout:
+                    inflight.pop(mid)
+                    busy.discard(node)
+                    stats.failed += 1
+                    log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
+            if stats.applied + stats.rejected >= per_round:
+                result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
+                self._record_round(rnd, stats, grid, result, do_client_eval=False)
+                rnd, stats = rnd + 1, RoundStats()
+            elif not replies:
+                time.sleep(self.poll_interval)
+        # let in-flight replies arrive so that no client is left with an unresolved pending update
+        if inflight:
+            late = self._collect(grid, set(inflight), min(timeout, 5.0))
+            for reply in late:
+                for d in self._decode_replies(rnd, [reply], RoundStats()):
+                    self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None)
+
+    # =============================================================================================
+    # nodes and messages
+    def _wait_for_clients(self, grid: Grid) -> None:
+        deadline = time.time() + self.cfg.wait_for_clients_s
+        while True:
+            nodes = list(grid.get_node_ids())
+            if len(nodes) >= self.cfg.min_clients:
+                break
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"only {len(nodes)} of min-clients={self.cfg.min_clients} clients connected within "
+                    f"wait-for-clients-s={self.cfg.wait_for_clients_s:g}s"
+                )
+            time.sleep(min(1.0, self.cfg.wait_for_clients_s / 10 + 0.01))
+        self._discover(grid, nodes)
+        log(INFO, "%d clients connected: %s", len(self.node_client), ", ".join(sorted(self.node_client.values())))
+
+    def _discover(self, grid: Grid, nodes: list[int]) -> None:
+        """Learn the stable client id (and site version) of nodes not seen before via ``query`` messages."""
+        unknown = [n for n in nodes if n not in self.node_client]
+        if not unknown:
+            return
+        msgs = [
+            Message(content=RecordDict({P.CONFIG: ConfigRecord({"request": "identity"})}), dst_node_id=n, message_type=MessageType.QUERY)
+            for n in unknown
+        ]
+        for reply in self._send_and_receive(grid, msgs, min(self.cfg.round_timeout_s, 120.0)):
+            if reply.has_error() or P.CONFIG not in reply.content:
+                continue
+            cid = str(reply.content[P.CONFIG].get("client-id", ""))
+            if not cid:
+                continue
+            node = reply.metadata.src_node_id
+            for old_node, old_cid in list(self.node_client.items()):
+                if old_cid == cid and old_node != node:
+                    log(INFO, "client '%s' moved from node %d to node %d", cid, old_node, node)
+                    del self.node_client[old_node]
+            self.node_client[node] = cid
+            self.ledger_versions.setdefault(cid, 0)
+            self.state.site(cid)
+            client_version = int(reply.content[P.CONFIG].get("site-version", 0))
+            if client_version != self.ledger_versions[cid]:
+                self.resync.add(cid)
+
+    def _known_nodes(self, grid: Grid) -> list[int]:
+        nodes = list(grid.get_node_ids())
+        self._discover(grid, nodes)
+        return sorted((n for n in nodes if n in self.node_client), key=lambda n: self.node_client[n])
+
+    def _sample_nodes(self, grid: Grid, fraction: float | None = None) -> list[int]:
+        nodes = self._known_nodes(grid)
+        frac = self.cfg.fraction_train if fraction is None else fraction
+        k = max(min(self.cfg.min_clients, len(nodes)), int(round(frac * len(nodes))))
+        if k >= len(nodes):
+            return nodes
+        return sorted(self.rng.sample(nodes, k), key=lambda n: self.node_client[n])
+
+    def _current_record(self) -> ArrayRecord:
+        if self._posterior_record is None or self._posterior_record[0] != self.state.version:
+            assert self.state.posterior is not None
+            self._posterior_record = (self.state.version, factor_to_record(self.state.posterior))
+        return self._posterior_record[1]
+
+    def _train_message(self, node: int, rnd: int) -> Message:
+        cid = self.node_client[node]
+        content = RecordDict(
+            {
+                P.POSTERIOR: self._current_record(),
+                P.CONFIG: ConfigRecord(
+                    {
+                        "server-round": rnd,
+                        "posterior-version": self.state.version,
+                        "site-version": self.ledger_versions.get(cid, P.UNKNOWN_VERSION),
+                        "client-id": cid,
+                        "rho": self.rho,
+                        "has-site": cid in self.resync,
+                    }
+                ),
+            }
+        )
+        if cid in self.resync:
+            content[P.SITE] = factor_to_record(self.state.site(cid))
+        return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
+
+    def _collect(self, grid: Grid, ids: set[str], timeout: float) -> list[Message]:
+        out: list[Message] = []
+        end = time.time() + timeout
+        while ids and time.time() < end:
+            got = list(grid.pull_messages(list(ids)))
+            out.extend(got)
+            ids.difference_update(m.metadata.reply_to_message_id for m in got)
+            if ids and not got:
+                time.sleep(self.poll_interval)
+        return out
+
+    def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float) -> list[Message]:
+        """Like ``Grid.send_and_receive`` but polling every ``poll_interval`` s (the HTTP grid polls every 3 s)."""
+        if not msgs:
+            return []
+        return self._collect(grid, set(grid.push_messages(msgs)), timeout)
+
+    # =============================================================================================
+    # validating and applying replies
+    def _reject(self, rnd: int, client_id: str, node: int, reason: str, stats: RoundStats | None) -> None:
+        log(WARNING, "round %d: rejected update from client '%s' (node %d): %s", rnd, client_id, node, reason)
+        self.rejections.append({"round": rnd, "client-id": client_id, "node-id": node, "reason": reason})
+        if stats is not None:
+            stats.rejected += 1
+
+    def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats) -> list[Reply]:
+        out: list[Reply] = []
+        seen: set[str] = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            cid = self.node_client.get(node, f"<node {node}>")
+            if msg.has_error():
+                stats.failed += 1
+                log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, msg.error.reason)
+                continue
+            stats.replied += 1
+            try:
+                content = msg.content
+                cfg = content[P.CONFIG] if P.CONFIG in content else ConfigRecord()
+                status = str(cfg.get("status", ""))
+                reported = str(cfg.get("client-id", ""))
+                if reported and reported != cid:
+                    raise PGVIError(f"reply claims client id '{reported}' but node {node} is '{cid}'")
+                if status == P.STATUS_RESYNC:
+                    stats.resync += 1
+                    self.resync.add(cid)
+                    log(INFO, "round %d: client '%s' asked for its site (resync)", rnd, cid)
+                    continue
+                if status == P.STATUS_FAILED:
+                    stats.failed += 1
+                    log(WARNING, "round %d: client '%s' could not update: %s", rnd, cid, cfg.get("reason", ""))
+                    continue
+                if status != P.STATUS_OK:
+                    raise PGVIError(f"unknown status {status!r}")
+                if cid in seen:
+                    raise PGVIError("second reply from the same client in one batch")
+                if P.DELTA not in content:
+                    raise PGVIError("no Delta in the reply")
+                record = content[P.DELTA]
+                delta = record_to_factor(record, self.problem.prior)
+                base = int(cfg.get("base-site-version", P.UNKNOWN_VERSION))
+                sent = int(cfg.get("posterior-version", self.state.version))
+                if base != self.ledger_versions.get(cid):
+                    self.resync.add(cid)
+                    raise PGVIError(
+                        f"Delta computed against site version {base}, ledger has {self.ledger_versions.get(cid)} "
+                        "(duplicate, late or lost client state)"
+                    )
+                metrics = {}
+                if P.METRICS in content:
+                    metrics = {k: float(v) for k, v in content[P.METRICS].items() if isinstance(v, (int, float))}
+                out.append(Reply(node, cid, delta, base, sent, metrics, record.count_bytes()))
+                seen.add(cid)
+            except PGVIError as err:
+                self._reject(rnd, cid, node, str(err), stats)
+            except Exception as err:  # malformed content must never crash the server
+                self._reject(rnd, cid, node, f"malformed reply: {type(err).__name__}: {err}", stats)
+        return out
+
+    def _apply_batch(self, rnd: int, decoded: list[Reply], stats: RoundStats) -> None:
+        """Apply the Deltas that keep the posterior proper; the batch is applied atomically."""
+        ok: list[Reply] = []
+        for d in decoded:
+            try:
+                (self.state.posterior * d.delta).check_proper("server posterior after this Delta")  # type: ignore[operator]
+                ok.append(d)
+            except PGVIError as err:
+                self._reject(rnd, d.client_id, d.node_id, str(err), stats)
+        if not ok:
+            return
+        try:
+            self.state.apply({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
+        except UpdateRejected as err:
+            for d in ok:
+                self._reject(rnd, d.client_id, d.node_id, f"batch rejected: {err.reason}", stats)
+            return
+        for d in ok:
+            self.ledger_versions[d.client_id] = self.ledger_versions.get(d.client_id, 0) + 1
+            self.resync.discard(d.client_id)
+            stats.applied += 1
+            stats.reply_bytes += d.reply_bytes
+            stats.num_examples += d.metrics.get("num-examples", 0.0)
+            if "seconds" in d.metrics:
+                stats.client_seconds.append(d.metrics["seconds"])
+
+    # =============================================================================================
+    # evaluation and records
+    def _record_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool) -> None:
+        row: dict[str, float] = {"round": float(rnd), "version": float(self.state.version)}
+        row.update(stats.as_metrics())
+        if self.server_evaluate is not None:
+            assert self.state.posterior is not None
+            server_metrics = self.server_evaluate(self.state.posterior)
+            result.evaluate_metrics_serverapp[rnd] = MetricRecord(server_metrics)
+            row.update({f"test-{k}": v for k, v in server_metrics.items()})
+        if do_client_eval and self.cfg.evaluate_clients:
+            msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
+            agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
+            if agg is not None:
+                result.evaluate_metrics_clientapp[rnd] = agg
+                row.update({k: float(v) for k, v in agg.items()})
+        self.history.append(row)
+        if self.on_round_end is not None:
+            self.on_round_end(rnd, row)

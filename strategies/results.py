@@ -1,0 +1,69 @@
+"""Per-round records of a PGVI run: ``metrics.jsonl``, ``metrics.csv`` and a table in the log."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from logging import INFO
+from pathlib import Path
+
+import numpy as np
+from flwr.supercore import log
+
+from common.families import GaussianFactor
+
+_TABLE_COLUMNS = [
+    ("round", "round", "{:>5.0f}"),
+    ("applied", "applied", "{:>7.0f}"),
+    ("rejected", "rejected", "{:>8.0f}"),
+    ("test-accuracy", "test acc", "{:>8.4f}"),
+    ("test-nll", "test nll", "{:>8.4f}"),
+    ("test-ece", "test ece", "{:>8.4f}"),
+    ("test-brier", "brier", "{:>7.4f}"),
+    ("test-rmse", "rmse", "{:>7.4f}"),
+    ("client-accuracy", "cli acc", "{:>7.4f}"),
+    ("client-seconds-max", "cli s", "{:>6.2f}"),
+]
+
+
+class RoundRecorder:
+    """Appends one row per round; ``finish`` saves the final posterior, the ledger and the rejections."""
+
+    def __init__(self, out_dir: str | Path, run_config: dict) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, float]] = []
+        (self.out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
+        self._jsonl = self.out_dir / "metrics.jsonl"
+        self._jsonl.write_text("")
+        self._header_printed = False
+
+    def _columns(self, row: dict[str, float]) -> list[tuple[str, str, str]]:
+        return [c for c in _TABLE_COLUMNS if c[0] in row]
+
+    def record(self, rnd: int, row: dict[str, float]) -> None:
+        self.rows.append(dict(row))
+        with self._jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        cols = self._columns(row)
+        if not self._header_printed:
+            log(INFO, "PGVI | " + " ".join(f"{h:>{len(fmt.format(0.0))}}" for _, h, fmt in cols))
+            self._header_printed = True
+        cells = []
+        for key, _, fmt in cols:
+            v = row.get(key, math.nan)
+            cells.append(fmt.format(v))
+        log(INFO, "PGVI | " + " ".join(cells))
+
+    def finish(self, posterior: GaussianFactor, sites: dict[str, GaussianFactor], extra: dict) -> None:
+        keys = sorted({k for r in self.rows for k in r}, key=lambda k: (k != "round", k))
+        with (self.out_dir / "metrics.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow(r)
+        np.savez(self.out_dir / "posterior.npz", **posterior.to_numpy())
+        ledger = {f"{cid}|{k}": v for cid, s in sites.items() for k, v in s.to_numpy().items()}
+        np.savez(self.out_dir / "sites.npz", **ledger)
+        (self.out_dir / "summary.json").write_text(json.dumps(extra, indent=2, default=str))
