@@ -117,7 +117,7 @@ class PGVIStrategy(Strategy):
     # Flower Strategy interface (one synchronous round)
     def summary(self) -> None:
         c = self.cfg
-        log(INFO, "\t├── PGVI: model %s, family %s, %d parameters", c.model, c.family, self.problem.prior.numel() // 2)
+        log(INFO, "\t├── PGVI: model %s, family %s, %d parameters", c.model, c.family, self.problem.model.num_params)
         log(INFO, "\t├── client objective: loss %s + divergence %s; server divergence %s", c.loss, c.divergence, c.server_divergence)
         log(INFO, "\t├── schedule %s, damping rho = %.4g, fraction %.2f, min clients %d", c.schedule, self.rho, c.fraction_train, c.min_clients)
         log(INFO, "\t└── local: %d epochs, lr %.3g/%.3g, %d MC samples, batch %s", c.local_epochs, c.lr, c.lr_scale, c.mc_samples, c.batch_size or "full")

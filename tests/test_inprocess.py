@@ -1,0 +1,182 @@
+"""The real PGVI strategy against the real ClientApp through an in-process Grid.
+
+Oracles: the closed-form posterior of the conjugate model after the updates each client made
+(``strategies.reference``); the ledger identity q = pi * prod t_m; the exactly-once site versions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message
+
+from client.app import app as client_app
+from common import protocol as P
+from common.config import parse_run_config
+from common.problem import build_problem
+from strategies.inprocess import InProcessGrid
+from strategies.pgvi import PGVIStrategy
+from strategies.reference import exact_posterior, expected_posterior, max_natural_diff
+
+BASE = {
+    "model": "gaussian_location",
+    "dataset": "synthetic_gaussian_location",
+    "family": "full_covariance",
+    "loss": "nll",
+    "divergence": "kl",
+    "num-clients": 3,
+    "min-clients": 3,
+    "num-server-rounds": 4,
+    "evaluate-clients": False,
+    "wait-for-clients-s": 0,
+    "round-timeout-s": 5,
+}
+
+
+def run(overrides: dict | None = None, reply_hook=None, between_rounds=None):
+    raw = {**BASE, **(overrides or {})}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "num-partitions": cfg.num_clients, "client-id": f"site-{m}"} for m in range(cfg.num_clients)]
+    grid = InProcessGrid(client_app, nodes, raw, reply_hook=reply_hook)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0,
+                            on_round_end=(lambda r, row: between_rounds(r, grid)) if between_rounds else None)
+    strategy.start(grid)
+    return cfg, strategy, grid
+
+
+def client_sites(grid: InProcessGrid, strategy: PGVIStrategy) -> dict[str, dict[str, np.ndarray]]:
+    """Each client's committed site as stored in its Context, after resolving its pending update."""
+    out = {}
+    for node, ctx in grid.contexts.items():
+        if node in grid.offline or "pgvi-meta" not in ctx.state:
+            continue
+        from common.client_state import ClientState
+
+        arrays = {k: a.numpy() for k, a in ctx.state["pgvi-site"].items()}
+        st = ClientState.from_arrays(arrays, dict(ctx.state["pgvi-meta"]))
+        cid = strategy.node_client[node]
+        assert st.reconcile(strategy.ledger_versions[cid], None)
+        out[cid] = st.site
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential", "asynchronous"])
+@pytest.mark.parametrize("loss", ["nll", "score_matching"])
+def test_conjugate_posterior_matches_closed_form(schedule, loss):
+    overrides = {"schedule": schedule, "loss": loss}
+    if loss == "score_matching":
+        overrides.update({"sm-weight": "constant", "divergence": "weighted_kl", "divergence-w": 0.7})
+    cfg, strategy, grid = run(overrides)
+    expected = expected_posterior(cfg, strategy.ledger_versions)
+    assert max_natural_diff(strategy.state.posterior, expected) < 1e-9
+    assert strategy.state.check_invariant() < 1e-10
+    assert not strategy.rejections
+    # every client applied one update per round (async: one per dispatch, so at least the rounds)
+    for cid, k in strategy.ledger_versions.items():
+        assert k >= cfg.num_server_rounds, (cid, k)
+    # the clients' own sites agree with the server's ledger
+    for cid, site in client_sites(grid, strategy).items():
+        ledger = strategy.state.sites[cid].to_numpy()
+        for k, v in ledger.items():
+            np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
+
+
+def test_sequential_rho_one_is_exact_after_one_pass():
+    cfg, strategy, _ = run({"schedule": "sequential", "num-server-rounds": 1})
+    assert cfg.rho() == 1.0
+    assert max_natural_diff(strategy.state.posterior, exact_posterior(cfg)) < 1e-9
+
+
+def test_asynchronous_converges_to_exact_posterior():
+    cfg, strategy, _ = run({"schedule": "asynchronous", "num-server-rounds": 40, "damping": 0.5})
+    assert max_natural_diff(strategy.state.posterior, exact_posterior(cfg)) < 1e-6
+
+
+def _tamper(kind: str, victim: str = "site-1", once: bool = True):
+    done = {"n": 0}
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type != "train" or reply.has_error():
+            return [reply]
+        if str(reply.content[P.CONFIG].get("client-id")) != victim or (once and done["n"]):
+            return [reply]
+        done["n"] += 1
+        if kind == "lose":
+            return []
+        if kind == "duplicate":
+            return [reply, reply]
+        delta = reply.content[P.DELTA]
+        key = next(k for k in delta.keys() if k.startswith("eta2"))
+        arr = delta[key].numpy().copy()
+        if kind == "nan":
+            arr[...] = np.nan
+        elif kind == "improper":
+            arr[...] = 1e6  # eta2 = -Lambda/2 hugely positive: negative precision
+        elif kind == "shape":
+            arr = np.zeros((arr.shape[0] + 1,) + arr.shape[1:])
+        delta[key] = Array(arr)
+        return [reply]
+
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["nan", "improper", "shape", "lose", "duplicate"])
+def test_faulty_reply_never_corrupts_the_posterior(kind):
+    cfg, strategy, grid = run({"schedule": "synchronous", "num-server-rounds": 3}, reply_hook=_tamper(kind))
+    if kind in ("nan", "improper", "shape"):
+        assert len(strategy.rejections) == 1
+        assert strategy.rejections[0]["client-id"] == "site-1"
+    if kind == "duplicate":
+        assert any("second reply" in str(r["reason"]) for r in strategy.rejections)
+    # site-1 lost exactly one update; everything else applied exactly once
+    assert strategy.ledger_versions["site-1"] == cfg.num_server_rounds - (0 if kind == "duplicate" else 1)
+    assert strategy.ledger_versions["site-0"] == cfg.num_server_rounds
+    expected = expected_posterior(cfg, strategy.ledger_versions)
+    assert max_natural_diff(strategy.state.posterior, expected) < 1e-9
+    assert strategy.state.check_invariant() < 1e-10
+    for cid, site in client_sites(grid, strategy).items():
+        for k, v in strategy.state.sites[cid].to_numpy().items():
+            np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
+
+
+def test_rejected_delta_leaves_the_posterior_unchanged():
+    raw = {**BASE, "num-server-rounds": 1, "num-clients": 1, "min-clients": 1}
+    cfg = parse_run_config(raw)
+    grid = InProcessGrid(client_app, [{"partition-id": 0, "client-id": "site-0"}], raw, reply_hook=_tamper("nan", "site-0"))
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    assert len(strategy.rejections) == 1 and "non-finite" in str(strategy.rejections[0]["reason"])
+    assert max_natural_diff(strategy.state.posterior, build_problem(cfg).prior) == 0.0
+    assert strategy.ledger_versions["site-0"] == 0
+
+
+def test_client_that_goes_offline_does_not_stop_the_run():
+    def kill_after_round_1(rnd, grid):
+        if rnd == 1:
+            victim = next(n for n, c in strategy_nodes(grid).items() if c == "site-2")
+            grid.remove_node(victim)
+
+    def strategy_nodes(grid):
+        return {n: ctx.node_config["client-id"] for n, ctx in grid.contexts.items()}
+
+    cfg, strategy, _ = run({"num-server-rounds": 3, "min-clients": 2, "round-timeout-s": 0.5}, between_rounds=kill_after_round_1)
+    assert strategy.ledger_versions["site-2"] == 1
+    assert strategy.ledger_versions["site-0"] == 3 and strategy.ledger_versions["site-1"] == 3
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+def test_restarted_client_without_state_resyncs_from_the_ledger():
+    """A node restarts with an empty state (new node id): the server resends its site and it continues."""
+
+    def restart_site0(rnd, grid):
+        if rnd == 2:
+            old = next(n for n, ctx in grid.contexts.items() if ctx.node_config["client-id"] == "site-0" and n not in grid.offline)
+            grid.remove_node(old)
+            grid.add_node(dict(grid.contexts[old].node_config))  # fresh Context: lost state
+
+    cfg, strategy, grid = run({"num-server-rounds": 4}, between_rounds=restart_site0)
+    assert strategy.ledger_versions["site-0"] == 4
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+    for cid, site in client_sites(grid, strategy).items():
+        for k, v in strategy.state.sites[cid].to_numpy().items():
+            np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
