@@ -37,7 +37,7 @@ class RoundRecorder:
         (self.out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
         self._jsonl = self.out_dir / "metrics.jsonl"
         self._jsonl.write_text("")
-        self._header_printed = False
+        self._columns_shown: list[tuple[str, str, str]] = []
 
     def _columns(self, row: dict[str, float]) -> list[tuple[str, str, str]]:
         return [c for c in _TABLE_COLUMNS if c[0] in row]
@@ -47,9 +47,9 @@ class RoundRecorder:
         with self._jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
         cols = self._columns(row)
-        if not self._header_printed:
+        if cols != self._columns_shown:
             log(INFO, "PGVI | " + " ".join(f"{h:>{len(fmt.format(0.0))}}" for _, h, fmt in cols))
-            self._header_printed = True
+            self._columns_shown = cols
         cells = []
         for key, _, fmt in cols:
             v = row.get(key, math.nan)

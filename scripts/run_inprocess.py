@@ -1,0 +1,52 @@
+"""Run the PGVI ServerApp logic against the real ClientApp in one process (no Ray, no network).
+
+Usage:
+    python scripts/run_inprocess.py [-c key=value ...] [--out runs/inprocess]
+
+Same strategy, same client code and same records as a Flower run; the fastest way to try a configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client.app import app as client_app  # noqa: E402
+from server.app import prepare, run_strategy  # noqa: E402
+from strategies.inprocess import InProcessGrid  # noqa: E402
+
+
+def load_run_config(overrides: list[str]) -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        raw = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+    for kv in overrides:
+        k, _, v = kv.partition("=")
+        raw[k.strip()] = tomllib.loads(f"v = {v}")["v"]
+    return raw
+
+
+def run(raw: dict, out: Path):
+    cfg, problem = prepare(raw)
+    nodes = [{"partition-id": m, "num-partitions": cfg.num_clients, "client-id": f"site-{m}"} for m in range(cfg.num_clients)]
+    grid = InProcessGrid(client_app, nodes, raw)
+    return run_strategy(grid, cfg, problem, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "inprocess")
+    args = ap.parse_args()
+    run(load_run_config(args.config), args.out)
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.getLogger("flwr").setLevel(logging.INFO)
+    main()

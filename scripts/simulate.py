@@ -1,0 +1,163 @@
+"""Run the PGVI app in Flower's simulation engine (`flwr run . <conn>` with a managed local SuperLink).
+
+Usage:
+    python scripts/simulate.py --supernodes 3 [-c key=value ...] [--out runs/sim]
+
+It creates a private FLWR_HOME (so nothing touches ~/.flwr), writes a ``:local:`` connection on private
+ports, runs ``flwr run . <conn> --stream --run-config <file>``, checks the run's final status with
+``flwr ls`` (``flwr run`` exits 0 even when the ServerApp failed) and stops the managed SuperLink it started
+(Flower leaves it running detached).  Importable: :func:`run_simulation` is what the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FLWR_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def write_run_config(path: Path, run_config: dict) -> Path:
+    path.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in run_config.items()))
+    tomllib.loads(path.read_text())  # fail here, not inside flwr, on a bad value
+    return path
+
+
+def _flwr_bin(name: str) -> str:
+    cand = Path(sys.executable).with_name(name)
+    return str(cand) if cand.exists() else name
+
+
+def _pids_listening(port: int) -> list[int]:
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return sorted({int(m) for m in re.findall(r"pid=(\d+)", out)})
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def stop_local_superlink(port: int, timeout: float = 20.0) -> None:
+    """Terminate the managed SuperLink listening on ``port`` and everything it spawned."""
+    for pid in _pids_listening(port):
+        family = [pid] + _children(pid)
+        for p in family:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        end = time.time() + timeout
+        while time.time() < end and any(_alive(p) for p in family):
+            time.sleep(0.2)
+        for p in family:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def run_simulation(
+    run_config: dict,
+    num_supernodes: int,
+    workdir: Path,
+    num_cpus_per_client: float = 1.0,
+    timeout: float = 1800.0,
+    stream_to: Path | None = None,
+) -> dict:
+    """Run the app in simulation; returns ``{"status", "run_id", "out_dir", "log", "seconds"}``."""
+    workdir = Path(workdir).resolve()
+    home = workdir / "flwr-home"
+    home.mkdir(parents=True, exist_ok=True)
+    http_port, control_port = free_port(), free_port()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "pgvi-sim"\n[superlink.pgvi-sim]\naddress = ":local:"\n'
+    )
+    env = {**os.environ, **FLWR_ENV, "FLWR_HOME": str(home),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
+    out_root = workdir / "outputs"
+    cfg = {**run_config, "output-dir": str(out_root)}
+    cfg_file = write_run_config(workdir / "run_config.toml", cfg)
+    log_path = stream_to or workdir / "flwr-run.log"
+    cmd = [_flwr_bin("flwr"), "run", str(ROOT), "pgvi-sim", "--stream", "--run-config", str(cfg_file),
+           "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus_per_client:g}"]
+    t0 = time.time()
+    try:
+        with open(log_path, "w") as log:
+            subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    finally:
+        stop_local_superlink(http_port)
+    seconds = time.time() - t0
+    runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
+    run = runs[-1] if runs else {}
+    run_id = str(run.get("run-id", ""))
+    out_dir = out_root / f"run-{run_id}" if run_id else None
+    return {"status": run.get("status", "unknown"), "status-details": run.get("status-details", ""), "run_id": run_id,
+            "out_dir": out_dir, "log": log_path, "seconds": seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--supernodes", type=int, default=3)
+    ap.add_argument("--cpus-per-client", type=float, default=1.0)
+    ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim")
+    args = ap.parse_args()
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        run_config = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+    for kv in args.config:
+        k, _, v = kv.partition("=")
+        run_config[k.strip()] = tomllib.loads(f"v = {v}")["v"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "flwr-run.log"
+    print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)
+    res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path)
+    for line in log_path.read_text().splitlines():
+        if "PGVI" in line or "rror" in line:
+            print(line, flush=True)
+    print(f"status: {res['status']} {res['status-details']}; {res['seconds']:.1f}s; records: {res['out_dir']}")
+    sys.exit(0 if res["status"] == "finished:completed" else 1)
+
+
+if __name__ == "__main__":
+    main()
