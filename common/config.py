@@ -106,9 +106,13 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown divergence '{v}'; known: {', '.join(DIVERGENCE_NAMES)}")
         return v
 
-    @field_validator("hidden")
+    @field_validator("hidden", mode="before")
     @classmethod
-    def _hidden_sizes(cls, v: str) -> str:
+    def _hidden_sizes(cls, v: object) -> str:
+        if isinstance(v, int) and not isinstance(v, bool):  # `flwr run -c hidden=200` gives an int
+            v = str(v)
+        if not isinstance(v, str):
+            raise ValueError(f"must be comma-separated positive integers, got {v!r}")
         parts = [p.strip() for p in v.split(",") if p.strip()]
         if not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"must be comma-separated positive integers, got '{v}'")
@@ -141,7 +145,7 @@ class RunConfig(BaseModel):
                     errors.append(f"{key}: alpha = 1 is the KL divergence; use divergence 'kl'")
                 elif alpha == 0.0:
                     errors.append(f"{key}: alpha = 0 is the reverse KL; use divergence 'reverse_kl'")
-                elif alpha < 0.0:
+                elif not alpha > 0.0:  # also catches NaN
                     errors.append(f"{key}: alpha must be > 0, got {alpha}")
         if self.min_clients > self.num_clients:
             errors.append(

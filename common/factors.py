@@ -96,9 +96,13 @@ class PGVIServerState:
     def apply(self, deltas: Mapping[str, GaussianFactor]) -> GaussianFactor:
         """Apply a batch of Deltas atomically (eq. 6 then eq. 7).
 
-        All Deltas are checked first: finiteness, layout, and that the resulting posterior and each
-        client's resulting cavity under the new posterior are proper.  If any check fails nothing changes
-        and :class:`UpdateRejected` names the first offending client.
+        All Deltas are checked first (finiteness, layout), then the resulting posterior must be proper.  If
+        any check fails nothing changes and :class:`UpdateRejected` names the offending client (all clients
+        of the batch, comma-separated, when only their joint effect makes the posterior improper).
+
+        Cavities are not checked here: a site may legitimately have negative precision, and whether a
+        client's next cavity is proper is checked by that client (``common.factors.cavity`` raises), which
+        then reports a failed step and keeps its site.
         """
         assert self.global_site is not None and self.posterior is not None
         new_sites = {}
@@ -106,7 +110,7 @@ class PGVIServerState:
         for cid, delta in deltas.items():
             try:
                 delta.check_finite(f"Delta from '{cid}'")
-                new_sites[cid] = self.site(cid) * delta
+                new_sites[cid] = self.sites.get(cid, self.prior.zeros_like()) * delta
                 global_site = global_site * delta
             except PGVIError as err:
                 raise UpdateRejected(cid, str(err)) from err
@@ -114,6 +118,7 @@ class PGVIServerState:
             posterior = self.server_step(self.prior, global_site).check_proper("server posterior")
         except PGVIError as err:
             raise UpdateRejected(",".join(deltas), str(err)) from err
+
         self.sites.update(new_sites)
         self.global_site = global_site
         self.posterior = posterior

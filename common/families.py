@@ -355,6 +355,9 @@ class FullCovarianceGaussian(GaussianFactor):
         return -2.0 * self.params["eta2"]
 
     def _cholesky_precision(self) -> Tensor:
+        """Cholesky factor of the precision; raises if the factor is not a proper distribution (non-finite,
+        asymmetric or not positive definite), so no moment is ever computed from an improper factor."""
+        self.check_proper("distribution")
         lam = self.precision()
         chol, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
         if int(info) != 0:

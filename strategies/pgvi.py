@@ -266,21 +266,23 @@ class PGVIStrategy(Strategy):
     # =============================================================================================
     # nodes and messages
     def _wait_for_clients(self, grid: Grid) -> None:
+        """Block until ``min-clients`` nodes are connected *and* have told us their client id."""
         deadline = time.time() + self.cfg.wait_for_clients_s
         while True:
             nodes = list(grid.get_node_ids())
-            if len(nodes) >= self.cfg.min_clients:
+            self._discover(grid, nodes, timeout=max(1.0, min(self.cfg.round_timeout_s, deadline - time.time())))
+            known = [n for n in nodes if n in self.node_client]
+            if len(known) >= self.cfg.min_clients:
                 break
             if time.time() > deadline:
                 raise RuntimeError(
-                    f"only {len(nodes)} of min-clients={self.cfg.min_clients} clients connected within "
-                    f"wait-for-clients-s={self.cfg.wait_for_clients_s:g}s"
+                    f"only {len(known)} of min-clients={self.cfg.min_clients} clients connected and identified "
+                    f"within wait-for-clients-s={self.cfg.wait_for_clients_s:g}s ({len(nodes)} nodes connected)"
                 )
-            time.sleep(min(1.0, self.cfg.wait_for_clients_s / 10 + 0.01))
-        self._discover(grid, nodes)
+            time.sleep(1.0)
         log(INFO, "%d clients connected: %s", len(self.node_client), ", ".join(sorted(self.node_client.values())))
 
-    def _discover(self, grid: Grid, nodes: list[int]) -> None:
+    def _discover(self, grid: Grid, nodes: list[int], timeout: float | None = None) -> None:
         """Learn the stable client id (and site version) of nodes not seen before via ``query`` messages."""
         unknown = [n for n in nodes if n not in self.node_client]
         if not unknown:
@@ -289,7 +291,7 @@ class PGVIStrategy(Strategy):
             Message(content=RecordDict({P.CONFIG: ConfigRecord({"request": "identity"})}), dst_node_id=n, message_type=MessageType.QUERY)
             for n in unknown
         ]
-        for reply in self._send_and_receive(grid, msgs, min(self.cfg.round_timeout_s, 120.0)):
+        for reply in self._send_and_receive(grid, msgs, self.cfg.round_timeout_s if timeout is None else timeout):
             if reply.has_error() or P.CONFIG not in reply.content:
                 continue
             cid = str(reply.content[P.CONFIG].get("client-id", ""))
@@ -435,14 +437,15 @@ class PGVIStrategy(Strategy):
                 ok.append(d)
             except PGVIError as err:
                 self._reject(rnd, d.client_id, d.node_id, str(err), stats)
-        if not ok:
-            return
-        try:
-            self.state.apply({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
-        except UpdateRejected as err:
-            for d in ok:
-                self._reject(rnd, d.client_id, d.node_id, f"batch rejected: {err.reason}", stats)
-            return
+        while ok:
+            try:
+                self.state.apply({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
+                break
+            except UpdateRejected as err:
+                culprit = [d for d in ok if d.client_id == err.client_id]
+                for d in culprit or ok:  # one named client: drop it and retry; else the whole batch
+                    self._reject(rnd, d.client_id, d.node_id, f"batch check: {err.reason}", stats)
+                ok = [d for d in ok if d not in culprit] if culprit else []
         for d in ok:
             self.ledger_versions[d.client_id] = self.ledger_versions.get(d.client_id, 0) + 1
             self.resync.discard(d.client_id)
