@@ -25,6 +25,7 @@ def _hyphen(name: str) -> str:
 LOSS_NAMES = ("nll", "gce", "beta", "gamma", "score_matching")
 DIVERGENCE_NAMES = ("kl", "weighted_kl", "reverse_kl", "alpha_renyi", "fisher_rao")
 MODEL_NAMES = ("gaussian_location", "linear_regression", "logistic_regression", "bnn")
+SYNTHETIC_DATASETS = ("synthetic_gaussian_location", "synthetic_linear_regression", "synthetic_logistic_2d")
 
 
 class RunConfig(BaseModel):
@@ -104,6 +105,16 @@ class RunConfig(BaseModel):
     def _known_divergence(cls, v: str) -> str:
         if v not in DIVERGENCE_NAMES:
             raise ValueError(f"unknown divergence '{v}'; known: {', '.join(DIVERGENCE_NAMES)}")
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, v: str) -> str:
+        from common.data.datasets import dataset_names
+
+        known = (*dataset_names(), *SYNTHETIC_DATASETS)
+        if v not in known:
+            raise ValueError(f"unknown dataset '{v}'; known: {', '.join(known)}")
         return v
 
     @field_validator("hidden", mode="before")

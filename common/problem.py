@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from common.config import RunConfig
+from common.config import SYNTHETIC_DATASETS, RunConfig
 from common.divergences import Divergence, make_divergence
 from common.factors import ServerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
@@ -21,7 +21,6 @@ from common.losses import Loss, make_loss
 from common.models import LikelihoodModel, make_model
 from common.server_gvi import make_server_step
 
-SYNTHETIC_DATASETS = ("synthetic_gaussian_location", "synthetic_linear_regression", "synthetic_logistic_2d")
 
 
 @dataclass(frozen=True)
