@@ -96,13 +96,14 @@ def client_shard(cfg: RunConfig, partition_id: int) -> ArraysSplit:
         kw["classes_per_partition"] = cfg.classes_per_client
     if data.num_classes > 1:
         labels = data.y_train
-        test_labels = data.y_test
     else:  # regression: partition uniformly
         labels = np.zeros(len(data.y_train), dtype=np.int64)
-        test_labels = np.zeros(len(data.y_test), dtype=np.int64)
+    test_labels = data.y_test
     name = cfg.partitioner if data.num_classes > 1 else "iid"
     train_idx = partition(name, labels, cfg.num_clients, seed=cfg.seed, **kw)[partition_id]
-    test_idx = partition("iid", test_labels, cfg.num_clients, seed=cfg.seed + 1)[partition_id]
+    # the local test split is a random 1/M of the test set (may be empty when M exceeds its size)
+    perm = np.random.default_rng(cfg.seed + 1).permutation(len(test_labels))
+    test_idx = np.sort(np.array_split(perm, cfg.num_clients)[partition_id])
     return ArraysSplit(data.x_train[train_idx], data.y_train[train_idx], data.x_test[test_idx],
                        data.y_test[test_idx], data.num_classes)
 

@@ -41,6 +41,16 @@ from strategies.codec import factor_to_record, record_to_factor
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
 
 
+def _last_line(text: str | None, limit: int = 300) -> str:
+    """The informative end of a remote traceback (``ValueError: ...``), bounded in length."""
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:limit]
+
+
+class AllClientsFailed(RuntimeError):
+    """Every message of a round failed: the run cannot make progress, so it stops with the clients' reason."""
+
+
 @dataclass
 class Reply:
     """A decoded, not yet applied train reply."""
@@ -112,6 +122,7 @@ class PGVIStrategy(Strategy):
         self.rho = self.cfg.rho()
         self._posterior_record: tuple[int, ArrayRecord] | None = None
         self.history: list[dict[str, float]] = []
+        self._last_failure = ""
 
     # =============================================================================================
     # Flower Strategy interface (one synchronous round)
@@ -190,15 +201,30 @@ class PGVIStrategy(Strategy):
                     self._round_sequential(grid, rnd, timeout, stats)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 self._record_round(rnd, stats, grid, result, do_client_eval=True)
+                self._check_progress(rnd, stats)
         result.arrays = self._current_record()
         log(INFO, "PGVI finished in %.2fs: %d updates applied, %d rejected", time.time() - t0,
             sum(self.ledger_versions.values()), len(self.rejections))
         return result
 
+    def _count_timeouts(self, rnd: int, sent: int, replies: list[Message], stats: RoundStats) -> None:
+        missing = sent - len(replies)
+        if missing > 0:
+            stats.failed += missing
+            self._last_failure = f"{missing} client(s) did not reply within round-timeout-s"
+            log(WARNING, "round %d: %d client(s) did not reply in time; they keep their old sites", rnd, missing)
+
+    def _check_progress(self, rnd: int, stats: RoundStats) -> None:
+        if stats.sent > 0 and stats.applied == 0 and stats.failed >= stats.sent:
+            raise AllClientsFailed(
+                f"round {rnd}: all {stats.sent} client messages failed (last reason: {self._last_failure})"
+            )
+
     def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
         msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
         stats.sent += len(msgs)
         replies = self._send_and_receive(grid, msgs, timeout)
+        self._count_timeouts(rnd, len(msgs), replies, stats)
         decoded = self._decode_replies(rnd, replies, stats)
         self._apply_batch(rnd, decoded, stats)
 
@@ -212,6 +238,7 @@ class PGVIStrategy(Strategy):
                 continue
             stats.sent += 1
             replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout)
+            self._count_timeouts(rnd, 1, replies, stats)
             self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
 
     def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
@@ -250,9 +277,10 @@ class PGVIStrategy(Strategy):
                     busy.discard(node)
                     stats.failed += 1
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
-            if stats.applied + stats.rejected >= per_round:
+            if stats.applied + stats.rejected + stats.failed >= per_round:
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 self._record_round(rnd, stats, grid, result, do_client_eval=False)
+                self._check_progress(rnd, stats)
                 rnd, stats = rnd + 1, RoundStats()
             elif not replies:
                 time.sleep(self.poll_interval)
@@ -277,7 +305,8 @@ class PGVIStrategy(Strategy):
             if time.time() > deadline:
                 raise RuntimeError(
                     f"only {len(known)} of min-clients={self.cfg.min_clients} clients connected and identified "
-                    f"within wait-for-clients-s={self.cfg.wait_for_clients_s:g}s ({len(nodes)} nodes connected)"
+                    f"within wait-for-clients-s={self.cfg.wait_for_clients_s:g}s ({len(nodes)} nodes connected"
+                    + (f"; last client error: {self._last_failure})" if self._last_failure else ")")
                 )
             time.sleep(1.0)
         log(INFO, "%d clients connected: %s", len(self.node_client), ", ".join(sorted(self.node_client.values())))
@@ -292,7 +321,10 @@ class PGVIStrategy(Strategy):
             for n in unknown
         ]
         for reply in self._send_and_receive(grid, msgs, self.cfg.round_timeout_s if timeout is None else timeout):
-            if reply.has_error() or P.CONFIG not in reply.content:
+            if reply.has_error():
+                self._last_failure = _last_line(reply.error.reason)
+                continue
+            if P.CONFIG not in reply.content:
                 continue
             cid = str(reply.content[P.CONFIG].get("client-id", ""))
             if not cid:
@@ -382,7 +414,8 @@ class PGVIStrategy(Strategy):
             cid = self.node_client.get(node, f"<node {node}>")
             if msg.has_error():
                 stats.failed += 1
-                log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, msg.error.reason)
+                self._last_failure = _last_line(msg.error.reason)
+                log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, self._last_failure)
                 continue
             stats.replied += 1
             try:
@@ -399,6 +432,7 @@ class PGVIStrategy(Strategy):
                     continue
                 if status == P.STATUS_FAILED:
                     stats.failed += 1
+                    self._last_failure = str(cfg.get("reason", ""))
                     log(WARNING, "round %d: client '%s' could not update: %s", rnd, cid, cfg.get("reason", ""))
                     continue
                 if status != P.STATUS_OK:

@@ -180,3 +180,18 @@ def test_restarted_client_without_state_resyncs_from_the_ledger():
     for cid, site in client_sites(grid, strategy).items():
         for k, v in strategy.state.sites[cid].to_numpy().items():
             np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
+
+
+def test_run_stops_with_the_clients_reason_when_every_client_fails():
+    from client.app import app as capp
+    from strategies.pgvi import AllClientsFailed
+
+    raw = {**BASE, "num-server-rounds": 2}
+    cfg = parse_run_config(raw)
+    # every node claims a federation of 5 partitions while the run config says 3: each ClientApp raises
+    nodes = [{"partition-id": m, "num-partitions": 5, "client-id": f"site-{m}"} for m in range(3)]
+    grid = InProcessGrid(capp, nodes, raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    with pytest.raises((AllClientsFailed, RuntimeError)) as ei:
+        strategy.start(grid)
+    assert "num-partitions=5" in str(ei.value)
