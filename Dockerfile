@@ -1,0 +1,54 @@
+# PGVI project image: a Flower 1.39 SuperExec with the PGVI app and its dependencies
+# pre-installed. One image serves both roles of docker-compose.yml:
+#   superexec-serverapp   flower-superexec --runtime-api-address superlink:8000 ...    (runs ServerApps)
+#   superexec-clientapp-k flower-superexec --runtime-api-address supernode-k:9094 ... (runs ClientApps)
+#
+# Base tag: the plain `flwr/superexec:1.39.0` tag is the Python 3.13 Ubuntu variant, but
+# pyproject.toml pins requires-python ">=3.11,<3.12", so the Python 3.11 Ubuntu 24.04
+# variant of the same 1.39.0 release is the default here.
+#
+# torch: installed first from the CPU-only wheel index (no CUDA libraries, ~5x smaller);
+# on arm64 hosts the same index serves aarch64 CPU wheels. Override with
+#   --build-arg TORCH_INDEX_URL=... --build-arg TORCH_PACKAGES="torch==2.9.1"
+# Runtime dependency installation stays OFF (images are pre-baked; see docs/deploy.md).
+#
+# No certificate or key is ever copied into the image (.dockerignore excludes certs/);
+# they are mounted read-only at run time.
+
+ARG FLWR_SUPEREXEC_IMAGE=flwr/superexec:1.39.0-py3.11-ubuntu24.04
+FROM ${FLWR_SUPEREXEC_IMAGE}
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_PACKAGES="torch"
+# scikit-learn: the default data set (digits) ships inside it; add torchvision here for
+# the MNIST-family loaders (--build-arg EXTRA_PACKAGES="scikit-learn>=1.4 torchvision").
+ARG EXTRA_PACKAGES="scikit-learn>=1.4"
+
+ENV FLWR_TELEMETRY_ENABLED=0 \
+    FLWR_DISABLE_UPDATE_CHECK=1 \
+    FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# 1. CPU torch (cached layer, independent of the project sources)
+# hadolint ignore=DL3013
+RUN python -m pip install --index-url "${TORCH_INDEX_URL}" ${TORCH_PACKAGES}
+
+# 2. the project (client-only dependencies: no flwr[simulation]/ray); flwr 1.39.0 from the
+#    base image already satisfies "flwr>=1.39,<1.40", so pip leaves it alone.
+COPY --chown=app:app pyproject.toml ./
+COPY --chown=app:app common ./common
+COPY --chown=app:app strategies ./strategies
+COPY --chown=app:app client ./client
+COPY --chown=app:app server ./server
+# hadolint ignore=DL3013
+RUN python -m pip install . ${EXTRA_PACKAGES} \
+    && python -c "import flwr, torch, common, client, server; assert flwr.__version__ == '1.39.0', flwr.__version__" \
+    && mkdir -p /app/state /app/outputs
+
+# Named volumes mounted on /app/state and /app/outputs (docker-compose.yml) are initialised
+# from these directories and so inherit their `app` (uid 49999) ownership.
+
+ENTRYPOINT ["flower-superexec"]

@@ -1,0 +1,383 @@
+"""docker-compose.yml / docker-compose.insecure.yml / Dockerfile, checked without a Docker engine.
+
+1. ``docker compose config -q`` (Compose v2 >= 2.24, the engine is not needed) validates both
+   the default file and the insecure override against the Compose specification; skipped
+   with a reason when no Compose v2 binary is installed.
+2. Structural checks in pure Python (PyYAML): services, images pinned to 1.39.0, every flag
+   accepted by the installed flwr 1.39 ``flower-superlink/-supernode/-superexec --help`` and
+   by their real argument parsers, certificate/key mounts read-only and matching the files
+   ``scripts/pki.py`` writes, ports 9092/8000 published, no ``--insecure`` in the default file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts import pki
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "docker-compose.yml"
+INSECURE = REPO / "docker-compose.insecure.yml"
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+FLWR_VERSION = "1.39.0"
+NODES = (0, 1, 2)
+
+BINARY_OF_ROLE = {
+    "superlink": "flower-superlink",
+    "supernode": "flower-supernode",
+    "superexec": "flower-superexec",
+}
+#: rejected or deprecated in flwr 1.39 (notes §3, §7)
+FORBIDDEN_FLAGS = {
+    "--serverappio-api-address",
+    "--clientappio-api-address",
+    "--appio-api-address",
+    "--plugin-type",
+    "--control-api-address",
+    "--auth-list-public-keys",
+    "--auth-supernode-public-key",
+}
+PATH_FLAGS = {
+    "--ssl-ca-certfile",
+    "--ssl-certfile",
+    "--ssl-keyfile",
+    "--root-certificates",
+    "--auth-supernode-private-key",
+}
+FLWR_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """SafeLoader that understands Compose's ``!override`` / ``!reset`` merge tags."""
+
+
+def _tagged(loader: yaml.SafeLoader, _suffix: str, node: yaml.Node):
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    return loader.construct_scalar(node)
+
+
+_ComposeLoader.add_multi_constructor("!", _tagged)
+
+
+def _load(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)  # noqa: S506 - SafeLoader subclass
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _load(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def _role(name: str) -> str:
+    for role in ("superexec", "supernode", "superlink"):
+        if name.startswith(role):
+            return role
+    raise AssertionError(f"unexpected service {name}")
+
+
+def _flags(cmd: list[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in cmd if a.startswith("--")]
+
+
+def _arg(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def _volumes(svc: dict) -> list[tuple[str, str, bool]]:
+    """(source, target, read_only) of every volume, short or long syntax."""
+    out = []
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            parts = v.split(":")
+            out.append((parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")))
+        else:
+            out.append((v["source"], v["target"], bool(v.get("read_only"))))
+    return out
+
+
+# ----------------------------------------------------------------------------- flwr help / parsers
+
+
+@lru_cache(maxsize=None)
+def _help_flags() -> dict[str, set[str]]:
+    env = {**os.environ, **FLWR_ENV, "FLWR_HOME": str(Path("/tmp") / f"pgvi-help-{os.getpid()}")}
+    bindir = Path(sys.executable).parent
+
+    def run(binary: str) -> tuple[str, set[str]]:
+        exe = bindir / binary if (bindir / binary).exists() else shutil.which(binary)
+        assert exe, f"{binary} not installed"
+        res = subprocess.run([str(exe), "--help"], capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return binary, set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", res.stdout))
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(pool.map(run, BINARY_OF_ROLE.values()))
+
+
+def _parser(role: str):
+    if role == "superlink":
+        from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink as make
+    elif role == "supernode":
+        from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode as make
+    else:
+        from flwr.supercore.cli.flower_superexec import _parse_args as make
+    return make()
+
+
+# ----------------------------------------------------------------------------- docker compose config
+
+
+def _compose_binary() -> list[str] | None:
+    """A Compose v2 (>= 2.24, for !override) command, or None."""
+    candidates: list[list[str]] = []
+    if shutil.which("docker"):
+        candidates.append(["docker", "compose"])
+    if shutil.which("docker-compose"):
+        candidates.append([shutil.which("docker-compose")])  # type: ignore[list-item]
+    for cmd in candidates:
+        try:
+            res = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        m = re.search(r"(\d+)\.(\d+)", res.stdout)
+        if res.returncode == 0 and m and (int(m[1]), int(m[2])) >= (2, 24):
+            return cmd
+    return None
+
+
+COMPOSE_CMD = _compose_binary()
+needs_compose = pytest.mark.skipif(
+    COMPOSE_CMD is None,
+    reason="no Docker Compose v2 >= 2.24 binary (`docker compose` plugin or `docker-compose`); "
+    "see docs/deploy.md 'Validating the compose files'",
+)
+
+
+def _config(*files: Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    assert COMPOSE_CMD is not None
+    args = [*COMPOSE_CMD]
+    for f in files:
+        args += ["-f", str(f)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    return subprocess.run([*args, "config", "-q"], capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
+
+
+@needs_compose
+def test_compose_config_default_is_valid():
+    res = _config(COMPOSE)
+    assert res.returncode == 0, res.stderr
+
+
+@needs_compose
+def test_compose_config_insecure_override_is_valid():
+    res = _config(COMPOSE, INSECURE)
+    assert res.returncode == 0, res.stderr
+
+
+@needs_compose
+def test_compose_config_rejects_a_broken_file(tmp_path):
+    """The validator can fail: an unknown service key and a bad restart policy are errors."""
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  x:\n    image: flwr/superlink:1.39.0\n    restrat: always\n")
+    assert _config(bad, cwd=tmp_path).returncode != 0
+    bad.write_text("services:\n  x:\n    image: flwr/superlink:1.39.0\n    ports: [99999999]\n")
+    assert _config(bad, cwd=tmp_path).returncode != 0
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_services_and_images_pinned(services):
+    expected = {"superlink-state-init", "superlink", "superexec-serverapp"}
+    expected |= {f"supernode-{k}" for k in NODES} | {f"superexec-clientapp-{k}" for k in NODES}
+    assert set(services) == expected
+    for name, svc in services.items():
+        image = svc["image"]
+        if image.startswith("flwr/"):
+            assert image.split(":", 1)[1] == FLWR_VERSION, (name, image)
+    assert services["superlink"]["image"] == f"flwr/superlink:{FLWR_VERSION}"
+    for k in NODES:
+        assert services[f"supernode-{k}"]["image"] == f"flwr/supernode:{FLWR_VERSION}"
+        assert services[f"superexec-clientapp-{k}"]["build"]["dockerfile"] == "Dockerfile"
+    assert services["superexec-serverapp"]["build"]["dockerfile"] == "Dockerfile"
+    project_images = {services[n]["image"] for n in services if n.startswith("superexec")}
+    assert len(project_images) == 1 and FLWR_VERSION in project_images.pop()
+
+
+def test_dockerfile_builds_from_superexec_1390_with_cpu_torch():
+    text = DOCKERFILE.read_text()
+    arg = re.search(r"^ARG FLWR_SUPEREXEC_IMAGE=(\S+)$", text, re.M)
+    assert arg and arg[1].startswith(f"flwr/superexec:{FLWR_VERSION}")
+    # pyproject pins Python 3.11, so the py3.11 variant of 1.39.0 must be the default base
+    assert "py3.11" in arg[1]
+    assert re.search(r"^FROM \$\{FLWR_SUPEREXEC_IMAGE\}$", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["flower-superexec"\]$', text, re.M)
+    assert "whl/cpu" in text and "--index-url" in text
+    assert "simulation" not in re.sub(r"#.*", "", text)  # client/server only, no ray
+    copies = re.findall(r"^COPY .*$", text, re.M)
+    assert copies and not any("cert" in c or "key" in c for c in copies)
+
+
+def test_dockerignore_keeps_secrets_out_of_the_build_context():
+    pats = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    assert {"**/certs", "**/keys", "*.key", ".venv", ".git"} <= pats
+
+
+def test_every_flag_is_accepted_by_installed_flwr(services):
+    helps = _help_flags()
+    for name, svc in services.items():
+        if name == "superlink-state-init":
+            continue
+        cmd = [str(a) for a in svc["command"]]
+        role = _role(name)
+        accepted = helps[BINARY_OF_ROLE[role]]
+        for flag in _flags(cmd):
+            assert flag in accepted, f"{name}: {flag} not in `{BINARY_OF_ROLE[role]} --help`"
+            assert flag not in FORBIDDEN_FLAGS, f"{name}: {flag} is rejected/deprecated in 1.39"
+        # the real argparse parser of flwr 1.39 accepts the whole command (values, choices)
+        ns = _parser(role).parse_args(cmd)
+        if role in ("superlink", "supernode"):
+            assert ns.isolation == "process"
+
+
+def test_insecure_override_flags_accepted(services):
+    helps = _help_flags()
+    over = _load(INSECURE)["services"]
+    assert set(over) <= set(services)
+    for name, svc in over.items():
+        cmd = [str(a) for a in svc["command"]]
+        assert "--insecure" in cmd, name
+        role = _role(name)
+        assert set(_flags(cmd)) <= helps[BINARY_OF_ROLE[role]]
+        _parser(role).parse_args(cmd)
+        assert not any(f in cmd for f in PATH_FLAGS | {"--enable-supernode-auth"}), name
+    assert "INSECURE" in INSECURE.read_text().split("services:")[0]
+
+
+def test_no_insecure_in_default_file(services):
+    assert "--insecure" not in COMPOSE.read_text()
+    for name, svc in services.items():
+        assert "--insecure" not in [str(a) for a in svc.get("command", [])], name
+
+
+def test_tls_and_auth_wiring(services):
+    link = [str(a) for a in services["superlink"]["command"]]
+    assert {"--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth"} <= set(link)
+    assert _arg(link, "--fleet-api-address") == "0.0.0.0:9092"
+    assert _arg(link, "--port") == "8000" and _arg(link, "--host") == "0.0.0.0"
+    assert _arg(link, "--database").startswith("state/")
+    assert "--disable-runtime-dependency-installation" in link
+    srv = [str(a) for a in services["superexec-serverapp"]["command"]]
+    assert _arg(srv, "--runtime-api-address") == "superlink:8000" and "--root-certificates" in srv
+
+    from flwr.common.config import parse_config_args
+
+    for k in NODES:
+        node = [str(a) for a in services[f"supernode-{k}"]["command"]]
+        assert _arg(node, "--superlink") == "superlink:9092"
+        assert {"--root-certificates", "--auth-supernode-private-key"} <= set(node)
+        assert {"--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certfile"} <= set(node)  # runtime API TLS
+        assert _arg(node, "--port") == "9094"
+        cfg = parse_config_args([_arg(node, "--node-config")])
+        assert cfg == {"partition-id": k, "num-partitions": len(NODES), "client-id": f"site-{k}",
+                       "state-dir": "/app/state"}  # fmt: skip
+        app = [str(a) for a in services[f"superexec-clientapp-{k}"]["command"]]
+        assert _arg(app, "--runtime-api-address") == f"supernode-{k}:9094"
+        assert "--root-certificates" in app
+        # the ClientApp (in the SuperExec container) owns the state dir volume
+        targets = {t: s for s, t, _ro in _volumes(services[f"superexec-clientapp-{k}"])}
+        assert targets["/app/state"] == f"site-{k}-state"
+
+
+def test_ports_published(services):
+    ports = {str(p) for p in services["superlink"]["ports"]}
+    assert {"9092:9092", "8000:8000"} <= ports
+    for name, svc in services.items():
+        if name != "superlink":
+            assert "ports" not in svc, f"{name} should not publish ports"
+
+
+def test_cert_and_key_mounts_read_only_and_match_pki(services, tmp_path):
+    files = pki.ensure_pki(tmp_path / "certs", len(NODES))
+    generated = {p.relative_to(files.out_dir).as_posix() for p in files.out_dir.rglob("*") if p.is_file()}
+    seen_sources = set()
+    for name, svc in services.items():
+        vols = _volumes(svc)
+        by_target = {t: (s, ro) for s, t, ro in vols}
+        for source, target, ro in vols:
+            if source.startswith("./certs/"):
+                assert ro, f"{name}: {source} must be mounted read-only"
+                rel = source.removeprefix("./certs/")
+                assert rel in generated, f"{name}: {source} is not a file scripts/pki.py writes"
+                seen_sources.add(rel)
+            if source.endswith((".key", ".pem", ".crt")):
+                assert source.startswith("./certs/"), source
+        # every certificate/key path in the command is a mounted file (WORKDIR /app)
+        for i, arg in enumerate(svc.get("command", [])):
+            if arg in PATH_FLAGS:
+                path = str(svc["command"][i + 1])
+                assert f"/app/{path}" in by_target, f"{name}: {arg} {path} not mounted"
+                assert by_target[f"/app/{path}"][1], f"{name}: {path} not read-only"
+    for k in NODES:  # each node gets its own auth key and runtime cert, nobody else's
+        vols = {s for s, _t, _ro in _volumes(services[f"supernode-{k}"])}
+        assert f"./certs/keys/site-{k}.key" in vols and f"./certs/runtime/site-{k}.key" in vols
+        others = {f"./certs/keys/site-{j}.key" for j in NODES if j != k}
+        assert not vols & others
+    assert "server.key" in seen_sources and "ca.key" not in seen_sources  # the CA key stays home
+
+
+def test_state_volumes_and_restart_policy(services, compose):
+    assert {"superlink-state", "serverapp-outputs"} | {f"site-{k}-state" for k in NODES} <= set(compose["volumes"])
+    link_vols = {t: s for s, t, _ro in _volumes(services["superlink"])}
+    assert link_vols["/app/state"] == "superlink-state"
+    init = services["superlink-state-init"]
+    assert init["entrypoint"][:3] == ["chown", "-R", "49999:49999"]
+    assert services["superlink"]["depends_on"]["superlink-state-init"]["condition"] == "service_completed_successfully"
+    for k in NODES:
+        svc = services[f"supernode-{k}"]
+        assert svc["restart"] == "on-failure"
+        assert int(svc["environment"]["SUPERNODE_RESTART_DELAY_S"]) >= 60
+        script = svc["entrypoint"][2]
+        assert 'sleep "$${SUPERNODE_RESTART_DELAY_S}"' in script and 'exec flower-supernode "$$@"' in script
+        assert svc["deploy"]["restart_policy"]["delay"] == "60s"
+
+
+def test_flower_env_everywhere(services):
+    for name, svc in services.items():
+        if name == "superlink-state-init":
+            continue
+        env = svc["environment"]
+        for key, value in FLWR_ENV.items():
+            assert str(env[key]) == value, (name, key)
+
+
+def test_no_secrets_in_tracked_deploy_files():
+    for path in (COMPOSE, INSECURE, DOCKERFILE, DOCKERIGNORE):
+        text = path.read_text()
+        assert "PRIVATE KEY" not in text and "BEGIN CERTIFICATE" not in text, path

@@ -1,0 +1,222 @@
+"""scripts/pki.py: CA + SuperLink certificate + SuperNode OpenSSH keys."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import ssl
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from scripts import pki
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> pki.PkiFiles:
+    out = tmp_path_factory.mktemp("pki") / "certs"
+    return pki.ensure_pki(out, 3, ["pgvi.example.org", "10.1.2.3", "fd00::7"])
+
+
+def _load_cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_server_cert_is_issued_by_ca(files):
+    ca = _load_cert(files.ca_cert)
+    srv = _load_cert(files.server_cert)
+    srv.verify_directly_issued_by(ca)  # raises on a wrong issuer or a bad signature
+    bc = ca.extensions.get_extension_for_class(x509.BasicConstraints).value
+    assert bc.ca is True
+    assert srv.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    eku = srv.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in eku
+    # the server key really belongs to the certificate
+    key = serialization.load_pem_private_key(files.server_key.read_bytes(), None)
+    assert key.public_key().public_numbers() == srv.public_key().public_numbers()
+
+
+def test_foreign_ca_does_not_verify(files, tmp_path):
+    other = pki.ensure_pki(tmp_path / "other")
+    with pytest.raises(Exception):
+        _load_cert(files.server_cert).verify_directly_issued_by(_load_cert(other.ca_cert))
+
+
+def test_sans_present(files):
+    san = _load_cert(files.server_cert).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value
+    dns = set(san.get_values_for_type(x509.DNSName))
+    ips = set(san.get_values_for_type(x509.IPAddress))
+    assert {"localhost", "superlink", "pgvi.example.org"} <= dns
+    want_ips = {"127.0.0.1", "::1", "10.1.2.3", "fd00::7"}
+    assert {ipaddress.ip_address(i) for i in want_ips} <= ips
+
+
+def test_runtime_certs_per_node(files):
+    ca = _load_cert(files.ca_cert)
+    assert [r.name for r in files.runtime_certs] == ["site-0", "site-1", "site-2"]
+    for k, rt in enumerate(files.runtime_certs):
+        cert = _load_cert(rt.cert)
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert set(san.get_values_for_type(x509.DNSName)) == {f"supernode-{k}", "localhost"}
+        key = serialization.load_pem_private_key(rt.key.read_bytes(), None)
+        assert key.public_key().public_numbers() == cert.public_key().public_numbers()
+        assert _mode(rt.key) == 0o600
+    assert pki.ensure_pki(files.out_dir.parent / "nort", 2, runtime_certs=False).runtime_certs == ()
+
+
+def test_node_keys_are_p384_openssh(files):
+    assert [p.name for p in files.node_keys] == ["site-0", "site-1", "site-2"]
+    seen = set()
+    for pair in files.node_keys:
+        text = pair.private_key.read_text()
+        assert text.startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+        priv = serialization.load_ssh_private_key(text.encode(), password=None)
+        pub_line = pair.public_key.read_text()
+        assert pub_line.startswith("ecdsa-sha2-nistp384 ")
+        assert pub_line.split()[-1] == pair.name
+        pub = serialization.load_ssh_public_key(pub_line.encode())
+        assert isinstance(priv, ec.EllipticCurvePrivateKey)
+        assert isinstance(priv.curve, ec.SECP384R1)
+        assert priv.public_key().public_numbers() == pub.public_numbers()
+        seen.add(pub_line.split()[1])
+    assert len(seen) == 3  # distinct keys
+
+
+def test_flower_accepts_node_keys(files):
+    """The exact loaders flwr 1.39 uses (`flwr supernode register`, `flower-supernode`)."""
+    from flwr.cli.supernode.register import try_load_public_key
+
+    for pair in files.node_keys:
+        assert try_load_public_key(pair.public_key)  # raises on non-NIST / non-EC keys
+
+
+def test_private_key_permissions(files):
+    for path in [files.ca_key, files.server_key, *(p.private_key for p in files.node_keys)]:
+        assert _mode(path) == 0o600, path
+    for path in [files.ca_cert, files.server_cert, *(p.public_key for p in files.node_keys)]:
+        assert _mode(path) == 0o644, path
+    assert _mode(files.out_dir / "keys") == 0o700
+
+
+def test_permissions_hold_under_permissive_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        f = pki.ensure_pki(tmp_path / "c", 1)
+    finally:
+        os.umask(old)
+    assert _mode(f.ca_key) == _mode(f.server_key) == _mode(f.node_keys[0].private_key) == 0o600
+
+
+def test_idempotent_and_force(tmp_path):
+    out = tmp_path / "certs"
+    first = pki.ensure_pki(out, 2)
+    snap = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    again = pki.ensure_pki(out, 2)
+    assert again == first
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snap
+
+    # more nodes: old keys kept, new key added
+    grown = pki.ensure_pki(out, 3)
+    for pair in first.node_keys:
+        assert pair.private_key.read_bytes() == snap[pair.private_key]
+    assert grown.node_keys[2].private_key.exists()
+
+    # a new SAN re-issues only the server certificate (same CA, same server key)
+    pki.ensure_pki(out, 3, ["new.example.org"])
+    assert first.ca_cert.read_bytes() == snap[first.ca_cert]
+    assert first.server_key.read_bytes() == snap[first.server_key]
+    assert first.server_cert.read_bytes() != snap[first.server_cert]
+    san = _load_cert(first.server_cert).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value
+    assert "new.example.org" in san.get_values_for_type(x509.DNSName)
+
+    # a permanently reused private key whose mode was loosened gets tightened
+    os.chmod(first.node_keys[0].private_key, 0o644)
+    pki.ensure_pki(out, 3)
+    assert _mode(first.node_keys[0].private_key) == 0o600
+
+    forced = pki.ensure_pki(out, 3, force=True)
+    assert forced.ca_cert.read_bytes() != snap[first.ca_cert]
+    assert forced.node_keys[0].private_key.read_bytes() != snap[first.node_keys[0].private_key]
+    _load_cert(forced.server_cert).verify_directly_issued_by(_load_cert(forced.ca_cert))
+
+
+def test_corrupt_node_key_is_refused_not_overwritten(tmp_path):
+    out = tmp_path / "certs"
+    f = pki.ensure_pki(out, 1)
+    f.node_keys[0].public_key.write_text("garbage\n")
+    with pytest.raises(ValueError, match="site-0"):
+        pki.ensure_pki(out, 1)
+
+
+def test_guards():
+    with pytest.raises(ValueError, match="num_supernodes"):
+        pki.ensure_pki("/nonexistent/never", -1)
+    with pytest.raises(ValueError, match="valid_days"):
+        pki.ensure_pki("/nonexistent/never", 0, valid_days=0)
+    with pytest.raises(ValueError, match="san"):
+        pki.split_sans(["bad name"])
+    assert pki.split_sans(["a", "A", "::1", "0:0::1", "1.2.3.4"]) == (["a"], ["::1", "1.2.3.4"])
+
+
+def test_tls_handshake_with_generated_certs(files):
+    """A real TLS handshake on loopback: SAN 127.0.0.1 and 'localhost' verify against the CA."""
+    srv_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    srv_ctx.load_cert_chain(files.server_cert, files.server_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _addr = listener.accept()
+            try:
+                with srv_ctx.wrap_socket(conn, server_side=True) as tls:
+                    tls.sendall(b"ok")
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        for name in ("127.0.0.1", "localhost"):
+            cli_ctx = ssl.create_default_context(cafile=str(files.ca_cert))
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                with cli_ctx.wrap_socket(raw, server_hostname=name) as tls:
+                    assert tls.recv(2) == b"ok"
+    finally:
+        t.join(timeout=5)
+        listener.close()
+    assert not errors
+
+
+def test_cli(tmp_path):
+    out = tmp_path / "certs"
+    cmd = [sys.executable, str(REPO / "scripts" / "pki.py"), "--out", str(out), "--supernodes", "2",
+           "--san", "edge.local"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert (out / "keys" / "site-1.key").exists() and (out / "server.pem").exists()
+    res2 = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res2.returncode == 0 and "reuse CA" in res2.stderr
+    bad = subprocess.run(cmd[:-1] + ["not a name"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "san" in bad.stderr
