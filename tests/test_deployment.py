@@ -1,0 +1,89 @@
+"""The real multi-process deployment on loopback: a SuperLink and 3 SuperNodes as separate OS processes,
+TLS on (certificates made by scripts/pki.py), gRPC Fleet API; the app launched with ``flwr run``.
+
+Parity with the in-process run and the closed form (conjugate model), and a client killed mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from common.config import parse_run_config
+from scripts.deploy import Deployment, free_port_kwargs
+from strategies.reference import exact_posterior, expected_posterior, max_natural_diff
+from tests.test_inprocess import BASE, run
+
+pytestmark = pytest.mark.slow
+
+DEPLOY_RUN = {**BASE, "dtype": "float64", "wait-for-clients-s": 120, "round-timeout-s": 60, "num-server-rounds": 3}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("deploy")
+    dep = Deployment(3, run_dir=run_dir, **free_port_kwargs(3))
+    try:
+        dep.start()
+        dep.wait_online(timeout=180)
+        yield dep
+    finally:
+        dep.stop()
+        assert dep.leftover_processes() == []
+
+
+def _run(dep: Deployment, overrides: dict, out_dir) -> tuple[dict, dict]:
+    raw = {**DEPLOY_RUN, **overrides, "output-dir": str(out_dir)}
+    res = dep.run_app(raw, timeout=900)
+    assert res.ok, (res, res.log_path.read_text()[-3000:] if res.log_path else "")
+    (run_dir,) = [p for p in out_dir.iterdir() if p.name == f"run-{res.run_id}"]
+    post = dict(np.load(run_dir / "posterior.npz"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return post, summary
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
+def test_deployment_matches_inprocess_and_closed_form(deployment, schedule, tmp_path):
+    post, summary = _run(deployment, {"schedule": schedule}, tmp_path)
+    cfg, strategy, _ = run({"schedule": schedule, "dtype": "float64", "num-server-rounds": 3})
+    assert summary["ledger-versions"] == strategy.ledger_versions
+    for k, v in strategy.state.posterior.to_numpy().items():
+        np.testing.assert_allclose(post[k], v, rtol=0, atol=1e-6 * max(1.0, float(np.abs(v).max())))
+    expected = expected_posterior(cfg, summary["ledger-versions"])
+    assert max_natural_diff(expected.from_numpy(post), expected) < 1e-6
+
+
+def test_deployment_asynchronous_reaches_the_exact_posterior(deployment, tmp_path):
+    post, summary = _run(deployment, {"schedule": "asynchronous", "damping": 1.0}, tmp_path)
+    cfg = parse_run_config({**DEPLOY_RUN, "schedule": "asynchronous", "damping": 1.0})
+    exact = exact_posterior(cfg)
+    assert max_natural_diff(exact.from_numpy(post), exact) < 1e-6
+    assert all(v >= 1 for v in summary["ledger-versions"].values())
+
+
+def test_killed_client_does_not_stop_the_run(deployment, tmp_path):
+    """SIGKILL the SuperNode of site-2 after round 1; rounds 2-4 go on with site-0 and site-1."""
+    overrides = {"schedule": "synchronous", "num-server-rounds": 4, "round-timeout-s": 20}
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(zip(("post", "summary"), _run(deployment, overrides, tmp_path))))
+    worker.start()
+    killed = False
+    deadline = time.time() + 600
+    while worker.is_alive() and time.time() < deadline:
+        rows = [json.loads(line) for f in tmp_path.glob("run-*/metrics.jsonl") for line in f.read_text().splitlines() if line]
+        if not killed and any(r["round"] >= 1 for r in rows):
+            deployment.kill_node(2)
+            killed = True
+        time.sleep(0.5)
+    worker.join(timeout=60)
+    assert killed and "summary" in result
+    versions = result["summary"]["ledger-versions"]
+    assert versions["site-0"] == 4 and versions["site-1"] == 4
+    assert 1 <= versions["site-2"] < 4
+    cfg = parse_run_config({**DEPLOY_RUN, **overrides})
+    expected = expected_posterior(cfg, versions)
+    assert max_natural_diff(expected.from_numpy(result["post"]), expected) < 1e-6
