@@ -91,6 +91,8 @@ class RunConfig(BaseModel):
     eval_samples: int = Field(200, ge=1)
     evaluate_clients: bool = True
     output_dir: str = "outputs"
+    checkpoint: bool = Field(True, description="write the server state after every applied update")
+    resume: str = Field("", description="directory of a checkpoint to resume from ('' = start fresh)")
 
     # ---- validators ----------------------------------------------------------------------------
     @field_validator("loss")

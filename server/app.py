@@ -39,7 +39,13 @@ def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) ->
     def server_evaluate(q):  # held-out test set of the whole dataset
         return evaluate_posterior(problem, q, data.x_test, data.y_test, cfg.eval_samples, seed=cfg.seed)
 
-    strategy = PGVIStrategy(problem, server_evaluate=server_evaluate, on_round_end=recorder.record)
+    strategy = PGVIStrategy(
+        problem,
+        server_evaluate=server_evaluate,
+        on_round_end=recorder.record,
+        checkpoint_dir=out_dir if cfg.checkpoint else None,
+        resume_from=cfg.resume or None,
+    )
     t0 = time.time()
     strategy.start(grid)
     assert strategy.state.posterior is not None

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -36,6 +37,7 @@ from common.errors import PGVIError
 from common.factors import PGVIServerState, UpdateRejected
 from common.families import GaussianFactor
 from common.problem import Problem
+from strategies.checkpoint import load_checkpoint, save_checkpoint
 from strategies.codec import factor_to_record, record_to_factor
 
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
@@ -107,6 +109,8 @@ class PGVIStrategy(Strategy):
         server_evaluate: ServerEvaluate | None = None,
         on_round_end: Callable[[int, dict[str, float]], None] | None = None,
         poll_interval: float = 0.2,
+        checkpoint_dir: str | Path | None = None,
+        resume_from: str | Path | None = None,
     ) -> None:
         self.problem = problem
         self.cfg = problem.cfg
@@ -123,6 +127,10 @@ class PGVIStrategy(Strategy):
         self._posterior_record: tuple[int, ArrayRecord] | None = None
         self.history: list[dict[str, float]] = []
         self._last_failure = ""
+        self.round_completed = 0  # last round whose updates are all applied (resume point)
+        self.done_in_round: set[str] = set()  # sequential: clients already visited in the current round
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.resume_from = Path(resume_from) if resume_from else None
 
     # =============================================================================================
     # Flower Strategy interface (one synchronous round)
@@ -186,19 +194,25 @@ class PGVIStrategy(Strategy):
         timeout = timeout or self.cfg.round_timeout_s
         log(INFO, "Starting PGVI strategy (%s schedule, %d rounds)", self.cfg.schedule, num_rounds)
         self.summary()
+        if self.resume_from is not None:
+            load_checkpoint(self, self.resume_from)
+            log(INFO, "resumed from %s after round %d (posterior version %d)", self.resume_from,
+                self.round_completed, self.state.version)
         self._wait_for_clients(grid)
         result = Result()
         t0 = time.time()
-        self._record_round(0, RoundStats(), grid, result, do_client_eval=False)
+        if self.round_completed == 0 and not self.history:
+            self._record_round(0, RoundStats(), grid, result, do_client_eval=False)
         if self.cfg.schedule == "asynchronous":
             self._run_asynchronous(grid, num_rounds, timeout, result)
         else:
-            for rnd in range(1, num_rounds + 1):
+            for rnd in range(self.round_completed + 1, num_rounds + 1):
                 stats = RoundStats()
                 if self.cfg.schedule == "synchronous":
                     self._round_synchronous(grid, rnd, timeout, stats)
                 else:
                     self._round_sequential(grid, rnd, timeout, stats)
+                self._end_round(rnd)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 self._record_round(rnd, stats, grid, result, do_client_eval=True)
                 self._check_progress(rnd, stats)
@@ -206,6 +220,15 @@ class PGVIStrategy(Strategy):
         log(INFO, "PGVI finished in %.2fs: %d updates applied, %d rejected", time.time() - t0,
             sum(self.ledger_versions.values()), len(self.rejections))
         return result
+
+    def _checkpoint(self) -> None:
+        if self.checkpoint_dir is not None:
+            save_checkpoint(self, self.checkpoint_dir)
+
+    def _end_round(self, rnd: int) -> None:
+        self.round_completed = rnd
+        self.done_in_round = set()
+        self._checkpoint()
 
     def _count_timeouts(self, rnd: int, sent: int, replies: list[Message], stats: RoundStats) -> None:
         missing = sent - len(replies)
@@ -234,11 +257,12 @@ class PGVIStrategy(Strategy):
         order = [c.strip() for c in self.cfg.sequential_order.split(",") if c.strip()] or sorted(by_client)
         for cid in order:
             node = by_client.get(cid)
-            if node is None:
+            if node is None or cid in self.done_in_round:
                 continue
             stats.sent += 1
             replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout)
             self._count_timeouts(rnd, 1, replies, stats)
+            self.done_in_round.add(cid)
             self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
 
     def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
@@ -246,7 +270,7 @@ class PGVIStrategy(Strategy):
         per_round = max(1, len(self._sample_nodes(grid)))
         inflight: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent time)
         busy: set[int] = set()
-        rnd, stats = 1, RoundStats()
+        rnd, stats = self.round_completed + 1, RoundStats()
         deadline = time.time() + timeout * num_rounds
         while rnd <= num_rounds:
             if time.time() > deadline:
@@ -278,6 +302,7 @@ class PGVIStrategy(Strategy):
                     stats.failed += 1
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
             if stats.applied + stats.rejected + stats.failed >= per_round:
+                self._end_round(rnd)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 self._record_round(rnd, stats, grid, result, do_client_eval=False)
                 self._check_progress(rnd, stats)
@@ -485,6 +510,9 @@ class PGVIStrategy(Strategy):
         for d in ok:
             self.ledger_versions[d.client_id] = self.ledger_versions.get(d.client_id, 0) + 1
             self.resync.discard(d.client_id)
+        if ok:
+            self._checkpoint()  # before any client can learn that its update was applied
+        for d in ok:
             stats.applied += 1
             stats.reply_bytes += d.reply_bytes
             stats.num_examples += d.metrics.get("num-examples", 0.0)
