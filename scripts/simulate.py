@@ -62,15 +62,31 @@ def _pids_listening(port: int) -> list[int]:
     return sorted({int(m) for m in re.findall(r"pid=(\d+)", out)})
 
 
+def _pids_with_env(key: str, value: str) -> list[int]:
+    """Processes whose environment has ``key=value`` (every process of one simulation shares its FLWR_HOME)."""
+    needle = f"{key}={value}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     kids = [int(x) for x in out.split()]
     return kids + [g for k in kids for g in _children(k)]
 
 
-def stop_local_superlink(port: int, timeout: float = 20.0) -> None:
-    """Terminate the managed SuperLink listening on ``port`` and everything it spawned."""
-    for pid in _pids_listening(port):
+def stop_local_superlink(port: int, home: Path | None = None, timeout: float = 20.0) -> None:
+    """Terminate the managed SuperLink listening on ``port``, everything it spawned and (if ``home`` is
+    given) every other process of this simulation (found by its FLWR_HOME)."""
+    pids = set(_pids_listening(port)) | set(_pids_with_env("FLWR_HOME", str(home)) if home else ())
+    for pid in sorted(pids):
         family = [pid] + _children(pid)
         for p in family:
             try:
@@ -126,7 +142,7 @@ def run_simulation(
         ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     finally:
-        stop_local_superlink(http_port)
+        stop_local_superlink(http_port, home)
     seconds = time.time() - t0
     runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
     run = runs[-1] if runs else {}
@@ -136,6 +152,10 @@ def run_simulation(
             "out_dir": out_dir, "log": log_path, "seconds": seconds}
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--supernodes", type=int, default=3)
@@ -143,6 +163,8 @@ def main() -> None:
     ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim")
     args = ap.parse_args()
+    # a SIGTERM must still run run_simulation's cleanup (Flower leaves its SuperLink running detached)
+    signal.signal(signal.SIGTERM, _interrupt)
     with open(ROOT / "pyproject.toml", "rb") as f:
         run_config = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
     for kv in args.config:

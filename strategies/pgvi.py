@@ -376,7 +376,7 @@ class PGVIStrategy(Strategy):
     def _sample_nodes(self, grid: Grid, fraction: float | None = None) -> list[int]:
         nodes = self._known_nodes(grid)
         frac = self.cfg.fraction_train if fraction is None else fraction
-        k = max(min(self.cfg.min_clients, len(nodes)), int(round(frac * len(nodes))))
+        k = max(1, int(round(frac * len(nodes))))  # min-clients gates the start of the run, not each round
         if k >= len(nodes):
             return nodes
         return sorted(self.rng.sample(nodes, k), key=lambda n: self.node_client[n])
