@@ -11,6 +11,11 @@ Message-API records in Flower 1.39.
 Node config keys: ``partition-id`` (int), ``client-id`` (stable id, default ``site-<partition-id>``),
 ``state-dir`` (durable client state; default: kept in the SuperNode's memory for the run),
 ``torch-threads`` (default 1), ``batch-size`` (overrides the run config's, for small devices).
+
+Fault injection, for tests only (node config ``fault``, default off): ``scale:<x>`` and ``flip`` (a Byzantine
+client: Delta times x or -1), ``nan``, ``wrong-shape``, ``improper``, ``huge`` (invalid replies the server must
+reject), ``lose-reply`` (the client stages its update, then its reply is lost) and ``crash-before-reply`` (the
+client dies after computing, before staging).  A mode may be limited to some rounds: ``lose-reply@2``.
 """
 
 from __future__ import annotations
@@ -148,16 +153,54 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({P.CONFIG: cfg}), reply_to=msg)
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault injection to make a reply disappear."""
+
+
+def _fault_mode(context: Context, server_round: int) -> str:
+    mode = str(context.node_config.get("fault", ""))
+    if "@" in mode:
+        mode, rounds = mode.split("@", 1)
+        if server_round not in {int(r) for r in rounds.split(",") if r}:
+            return ""
+    return mode
+
+
+def _inject(mode: str, client: PGVIClient, delta: list[np.ndarray]) -> list[np.ndarray]:
+    """Corrupt the outgoing Delta; a Byzantine client that is believed also records what it sent."""
+    if mode.startswith("scale:") or mode == "flip":
+        factor = -1.0 if mode == "flip" else float(mode.split(":", 1)[1])
+        delta = [factor * d for d in delta]
+        site = client.problem.prior.from_numpy(client.state.site) if client.state.site is not None else client.problem.prior.zeros_like()
+        client.state.stage((site * client._factor(delta)).to_numpy())
+    elif mode == "nan":
+        delta = [np.full_like(d, np.nan) for d in delta]
+    elif mode == "wrong-shape":
+        delta = [np.zeros(d.size + 1, dtype=d.dtype) for d in delta]
+    elif mode == "improper":
+        delta = [d if not k.startswith("eta2") else np.full_like(d, 1e6) for k, d in zip(client.names, delta)]
+    elif mode == "huge":
+        delta = [np.zeros(50_000_000, dtype=np.float32)] + delta[1:]
+    return delta
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     client, state_dir = _client(context)
     config = dict(msg.content[P.CONFIG])
+    fault = _fault_mode(context, int(config.get("server-round", 0)))
     posterior = msg.content[P.POSTERIOR]
     arrays = [posterior[k].numpy() for k in client.names]
     if config.get("has-site") and P.SITE in msg.content:
         arrays += [msg.content[P.SITE][k].numpy() for k in client.names]
     delta, n, metrics = client.fit(arrays, config)
+    if fault == "crash-before-reply":
+        raise InjectedFault("fault injection: client crashed before staging its update")
+    if delta and fault:
+        delta = _inject(fault, client, delta)
     _save_state(context, client.state, client.client_id, state_dir)
+    if fault == "lose-reply":
+        raise InjectedFault("fault injection: reply lost after the client staged its update")
     reply_cfg = ConfigRecord({k: v for k, v in metrics.items() if isinstance(v, str) or k.endswith("version")})
     numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                and not k.endswith("version")}

@@ -1,0 +1,69 @@
+"""Fault injection through the real ClientApp (node config ``fault``), in process.
+
+For every fault: the final posterior is the closed form of the updates the ledger says were applied, every
+client's own site equals the ledger's, and invalid replies are all rejected with a reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.app import app as client_app
+from common.config import parse_run_config
+from common.problem import build_problem
+from strategies.inprocess import InProcessGrid
+from strategies.pgvi import PGVIStrategy
+from strategies.reference import expected_posterior, max_natural_diff
+from tests.test_inprocess import BASE, client_sites
+
+ROUNDS = 3
+
+
+def _run(fault: str, schedule: str = "synchronous"):
+    raw = {**BASE, "num-server-rounds": ROUNDS, "schedule": schedule}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": fault} if m == 1 else {})} for m in range(3)]
+    grid = InProcessGrid(client_app, nodes, raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    return cfg, strategy, grid
+
+
+def _consistent(cfg, strategy, grid):
+    assert strategy.state.check_invariant() < 1e-10
+    sites = client_sites(grid, strategy)
+    assert set(sites) == {"site-0", "site-1", "site-2"}
+    for cid, site in sites.items():
+        for k, v in strategy.state.sites[cid].to_numpy().items():
+            np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
+@pytest.mark.parametrize("fault", ["nan@2", "wrong-shape@2", "improper@2", "huge@2"])
+def test_invalid_reply_is_rejected_and_nothing_else_changes(fault, schedule):
+    cfg, strategy, grid = _run(fault, schedule)
+    assert len(strategy.rejections) == 1 and strategy.rejections[0]["client-id"] == "site-1"
+    assert strategy.rejections[0]["round"] == 2
+    assert strategy.ledger_versions == {"site-0": ROUNDS, "site-1": ROUNDS - 1, "site-2": ROUNDS}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+    _consistent(cfg, strategy, grid)
+
+
+@pytest.mark.parametrize("fault", ["lose-reply@2", "crash-before-reply@2", "lose-reply@1,2"])
+def test_lost_reply_or_crash_loses_no_update_and_counts_none_twice(fault):
+    cfg, strategy, grid = _run(fault)
+    lost = len(fault.split("@")[1].split(","))
+    assert strategy.ledger_versions == {"site-0": ROUNDS, "site-1": ROUNDS - lost, "site-2": ROUNDS}
+    assert not strategy.rejections
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+    _consistent(cfg, strategy, grid)
+
+
+@pytest.mark.parametrize("fault", ["scale:10@2", "flip@2"])
+def test_byzantine_update_is_applied_consistently_by_plain_sum(fault):
+    """Plain PGVI trusts clients: the corrupted Delta is applied and the ledger records what was sent."""
+    cfg, strategy, grid = _run(fault)
+    honest = expected_posterior(cfg, strategy.ledger_versions)
+    assert max_natural_diff(strategy.state.posterior, honest) > 1e-3
+    _consistent(cfg, strategy, grid)
