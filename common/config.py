@@ -71,6 +71,13 @@ class RunConfig(BaseModel):
     num_server_rounds: int = Field(5, ge=1)
     fraction_train: float = Field(1.0, gt=0, le=1)
     min_clients: int = Field(2, ge=1)
+    aggregator: Literal["sum", "norm_clip", "trimmed_mean", "median"] = Field(
+        "sum", description="how a synchronous batch of Deltas is combined (robust options for Byzantine clients)"
+    )
+    aggregator_trim: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end")
+    aggregator_clip_norm: float = Field(0.0, ge=0, description="norm_clip: fixed bound; 0 = multiplier x median norm")
+    aggregator_clip_multiplier: float = Field(2.0, gt=0)
+    max_bad_replies: int = Field(3, ge=0, description="exclude a client after this many invalid replies (0 = never)")
     wait_for_clients_s: float = Field(120.0, ge=0)
     round_timeout_s: float = Field(600.0, gt=0)
 
@@ -174,6 +181,13 @@ class RunConfig(BaseModel):
     @property
     def hidden_sizes(self) -> list[int]:
         return [int(p) for p in self.hidden.split(",") if p.strip()]
+
+    def aggregator_hyper(self) -> dict[str, float | None]:
+        if self.aggregator == "trimmed_mean":
+            return {"trim": self.aggregator_trim}
+        if self.aggregator == "norm_clip":
+            return {"max_norm": self.aggregator_clip_norm or None, "multiplier": self.aggregator_clip_multiplier}
+        return {}
 
     def rho(self) -> float:
         if self.damping == "auto":

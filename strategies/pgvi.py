@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from common import protocol as P
+from common.aggregation import make_aggregator
 from common.errors import PGVIError
 from common.factors import PGVIServerState, UpdateRejected
 from common.families import GaussianFactor
@@ -127,6 +128,8 @@ class PGVIStrategy(Strategy):
         self._posterior_record: tuple[int, ArrayRecord] | None = None
         self.history: list[dict[str, float]] = []
         self._last_failure = ""
+        self.aggregator = make_aggregator(self.cfg.aggregator, **self.cfg.aggregator_hyper())
+        self.bad_replies: dict[str, int] = {}  # client id -> invalid replies so far (exclusion)
         self.round_completed = 0  # last round whose updates are all applied (resume point)
         self.done_in_round: set[str] = set()  # sequential: clients already visited in the current round
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
@@ -291,7 +294,7 @@ class PGVIStrategy(Strategy):
                     staleness = self.state.version - d.sent_version
                     stats.staleness.append(staleness)
                     if staleness > self.cfg.max_staleness:
-                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.max_staleness})", stats)
+                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.max_staleness})", stats, bad=False)
                         continue
                     self._apply_batch(rnd, [d], stats)
             now = time.time()
@@ -314,7 +317,7 @@ class PGVIStrategy(Strategy):
             late = self._collect(grid, set(inflight), min(timeout, 5.0))
             for reply in late:
                 for d in self._decode_replies(rnd, [reply], RoundStats()):
-                    self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None)
+                    self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
 
     # =============================================================================================
     # nodes and messages
@@ -368,10 +371,15 @@ class PGVIStrategy(Strategy):
             if client_version != self.ledger_versions[cid]:
                 self.resync.add(cid)
 
+    def _excluded(self, client_id: str) -> bool:
+        limit = self.cfg.max_bad_replies
+        return bool(limit) and self.bad_replies.get(client_id, 0) >= limit
+
     def _known_nodes(self, grid: Grid) -> list[int]:
         nodes = list(grid.get_node_ids())
         self._discover(grid, nodes)
-        return sorted((n for n in nodes if n in self.node_client), key=lambda n: self.node_client[n])
+        usable = (n for n in nodes if n in self.node_client and not self._excluded(self.node_client[n]))
+        return sorted(usable, key=lambda n: self.node_client[n])
 
     def _sample_nodes(self, grid: Grid, fraction: float | None = None) -> list[int]:
         nodes = self._known_nodes(grid)
@@ -427,11 +435,17 @@ class PGVIStrategy(Strategy):
 
     # =============================================================================================
     # validating and applying replies
-    def _reject(self, rnd: int, client_id: str, node: int, reason: str, stats: RoundStats | None) -> None:
+    def _reject(self, rnd: int, client_id: str, node: int, reason: str, stats: RoundStats | None, bad: bool = True) -> None:
+        """Log and count a rejected reply; ``bad`` replies (invalid, not merely stale) count towards exclusion."""
         log(WARNING, "round %d: rejected update from client '%s' (node %d): %s", rnd, client_id, node, reason)
         self.rejections.append({"round": rnd, "client-id": client_id, "node-id": node, "reason": reason})
         if stats is not None:
             stats.rejected += 1
+        if bad:
+            self.bad_replies[client_id] = self.bad_replies.get(client_id, 0) + 1
+            limit = self.cfg.max_bad_replies
+            if limit and self.bad_replies[client_id] == limit:
+                log(WARNING, "client '%s' sent %d bad replies: excluded from the rest of the run", client_id, limit)
 
     def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats) -> list[Reply]:
         out: list[Reply] = []
@@ -498,18 +512,25 @@ class PGVIStrategy(Strategy):
                 ok.append(d)
             except PGVIError as err:
                 self._reject(rnd, d.client_id, d.node_id, str(err), stats)
+        credited: dict[str, GaussianFactor] = {}
         while ok:
+            # a robust aggregator replaces sum(Delta) by sum(credited); it sees the batch of valid Deltas
+            credited = self.aggregator({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
             try:
-                self.state.apply({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
+                self.state.apply(credited)
                 break
             except UpdateRejected as err:
                 culprit = [d for d in ok if d.client_id == err.client_id]
-                for d in culprit or ok:  # one named client: drop it and retry; else the whole batch
+                for d in culprit or ok:  # one named client: drop it and re-aggregate; else the whole batch
                     self._reject(rnd, d.client_id, d.node_id, f"batch check: {err.reason}", stats)
                 ok = [d for d in ok if d not in culprit] if culprit else []
         for d in ok:
+            if credited[d.client_id] is not d.delta:  # the client holds site*Delta: resend the credited site
+                self.resync.add(d.client_id)
+        for d in ok:
             self.ledger_versions[d.client_id] = self.ledger_versions.get(d.client_id, 0) + 1
-            self.resync.discard(d.client_id)
+            if credited[d.client_id] is d.delta:
+                self.resync.discard(d.client_id)
         if ok:
             self._checkpoint()  # before any client can learn that its update was applied
         for d in ok:

@@ -67,3 +67,39 @@ def test_byzantine_update_is_applied_consistently_by_plain_sum(fault):
     honest = expected_posterior(cfg, strategy.ledger_versions)
     assert max_natural_diff(strategy.state.posterior, honest) > 1e-3
     _consistent(cfg, strategy, grid)
+
+
+def _run_many(fault: str, aggregator: str, n: int = 7, rounds: int = 3, **extra):
+    raw = {**BASE, "num-server-rounds": rounds, "num-clients": n, "min-clients": n, "aggregator": aggregator, **extra}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": fault} if fault and m == 1 else {})}
+             for m in range(n)]
+    grid = InProcessGrid(client_app, nodes, raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    return cfg, strategy, grid
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean", "norm_clip"])
+def test_robust_aggregation_resists_a_scaled_byzantine_client_and_keeps_the_ledger(aggregator):
+    _, honest, _ = _run_many("", "sum")
+    _, plain, _ = _run_many("scale:50", "sum")
+    cfg, robust, grid = _run_many("scale:50", aggregator)
+    honest_mean = float(honest.state.posterior.mean()[0])
+    err_plain = abs(float(plain.state.posterior.mean()[0]) - honest_mean)
+    err_robust = abs(float(robust.state.posterior.mean()[0]) - honest_mean)
+    # location estimators ignore the outlier; clipping bounds it to multiplier x the median norm (2x here)
+    limit = 0.25 if aggregator == "norm_clip" else 0.1
+    assert err_robust < limit * err_plain, (err_robust, err_plain)
+    # every client adopted the site the server credited it (resync), so ledger and clients agree
+    for cid, site in client_sites(grid, robust).items():
+        for k, v in robust.state.sites[cid].to_numpy().items():
+            np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
+    assert robust.state.check_invariant() < 1e-10
+
+
+def test_a_client_that_keeps_sending_bad_replies_is_excluded():
+    cfg, strategy, grid = _run_many("nan", "sum", n=3, rounds=5, **{"max-bad-replies": 2})
+    assert [r["round"] for r in strategy.rejections] == [1, 2]
+    assert strategy.ledger_versions == {"site-0": 5, "site-1": 0, "site-2": 5}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9

@@ -55,7 +55,9 @@ def client_sites(grid: InProcessGrid, strategy: PGVIStrategy) -> dict[str, dict[
         arrays = {k: a.numpy() for k, a in ctx.state["pgvi-site"].items()}
         st = ClientState.from_arrays(arrays, dict(ctx.state["pgvi-meta"]))
         cid = strategy.node_client[node]
-        assert st.reconcile(strategy.ledger_versions[cid], None)
+        # what the client's next message would carry: the ledger version, and the site itself on resync
+        ledger_site = strategy.state.sites[cid].to_numpy() if cid in strategy.resync else None
+        assert st.reconcile(strategy.ledger_versions[cid], ledger_site)
         out[cid] = st.site
     return out
 
