@@ -11,15 +11,14 @@ Persisted, when a directory is given, as one ``<client-id>.npz`` written atomica
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from common.atomic_io import atomic_save_npz, load_npz
 from common.protocol import UNKNOWN_VERSION
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -94,33 +93,13 @@ class ClientState:
         return Path(state_dir) / f"{client_id}.npz"
 
     def save(self, state_dir: str | os.PathLike, client_id: str) -> Path:
-        path = self.path_for(state_dir, client_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrays, meta = self.to_arrays()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{client_id}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dfd = os.open(path.parent, os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return atomic_save_npz(self.path_for(state_dir, client_id), arrays, meta)
 
     @classmethod
     def load(cls, state_dir: str | os.PathLike, client_id: str) -> ClientState:
         path = cls.path_for(state_dir, client_id)
         if not path.exists():
             return cls()
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["__meta__"]).decode())
-            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+        arrays, meta = load_npz(path)
         return cls.from_arrays(arrays, meta)

@@ -12,14 +12,13 @@ except for the keys in ``RESUME_FREE_KEYS``.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from common.atomic_io import atomic_save_npz, load_npz
 from common.errors import PGVIError
 
 if TYPE_CHECKING:
@@ -59,25 +58,7 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
         "rejections": strategy.rejections,
         "history": strategy.history,
     }
-    path = Path(directory) / CHECKPOINT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".checkpoint.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, __meta__=np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_save_npz(Path(directory) / CHECKPOINT_FILE, arrays, meta)
 
 
 def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> None:
@@ -87,9 +68,7 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     path = Path(directory) / CHECKPOINT_FILE
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(bytes(z["__meta__"]).decode())
-        arrays = {k: z[k] for k in z.files if k != "__meta__"}
+    arrays, meta = load_npz(path)
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatch(f"checkpoint format {meta.get('format')} is not {_FORMAT}")
     ours = _config_fingerprint(strategy.cfg.to_flat())
