@@ -4,7 +4,6 @@ atomic rejection of bad batches, and the log-opinion-pool identity of FedGVI Pro
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import ImproperDistributionError, PGVIError
+from common.errors import ImproperDistributionError
 from common.factors import (
     PGVIServerState,
     UpdateRejected,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, Message
 
 from client.app import app as client_app
 from common import protocol as P
