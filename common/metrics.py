@@ -1,0 +1,141 @@
+"""Classification metrics of a predictive distribution, from probabilities ``(N, C)`` and labels ``(N,)``.
+
+Definitions (``p_n`` the predicted probability vector of point ``n``, ``y_n`` its label):
+
+* accuracy: ``mean_n [argmax_c p_nc == y_n]`` (ties go to the lowest class index, as ``np.argmax``).
+* NLL: ``mean_n -log max(p_{n y_n}, floor)``.  The floor (default ``1e-12``, so one point contributes at most
+  ``-log 1e-12 = 27.63``) only matters for a predictive that gives probability (numerically) zero to the
+  true class; it keeps the mean finite.  Pass ``floor=0`` to get ``inf`` in that case instead.
+* ECE (Guo et al., 2017, top-label): confidence ``c_n = max_c p_nc``; 15 equal-width bins
+  ``B_b = (b/15, (b+1)/15]`` for ``b = 0..14`` (right-closed; a confidence of 0 would go to bin 0);
+  ``ECE = sum_b |B_b|/N * |acc(B_b) - conf(B_b)|`` with ``acc`` the fraction correct and ``conf`` the mean
+  confidence in the bin (empty bins contribute 0).
+* Brier score: ``mean_n sum_c (p_nc - [y_n == c])^2``, in ``[0, 2]``.
+
+Everything is numpy; torch tensors on the CPU are accepted (converted with ``np.asarray``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_NUM_BINS",
+    "NLL_FLOOR",
+    "accuracy",
+    "binary_probs",
+    "brier_score",
+    "classification_metrics",
+    "expected_calibration_error",
+    "negative_log_likelihood",
+    "reliability_bins",
+]
+
+#: Smallest probability used inside the log of the NLL.
+NLL_FLOOR = 1e-12
+#: Number of equal-width confidence bins of the ECE.
+DEFAULT_NUM_BINS = 15
+#: Tolerance on the row sums of the probabilities (float32 softmax outputs sum to 1 within ~1e-6).
+_ROW_SUM_ATOL = 1e-4
+
+
+def _check(probs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    p = np.asarray(probs, dtype=np.float64)
+    labels = np.asarray(y)
+    if p.ndim != 2 or p.shape[1] < 2:
+        raise ValueError(f"probs must have shape (N, C) with C >= 2, got {p.shape}")
+    if p.shape[0] == 0:
+        raise ValueError("probs is empty: metrics of zero points are undefined")
+    if labels.ndim != 1 or labels.shape[0] != p.shape[0]:
+        raise ValueError(f"labels must have shape ({p.shape[0]},), got {labels.shape}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        if np.issubdtype(labels.dtype, np.floating) and np.all(labels == np.round(labels)):
+            labels = labels.astype(np.int64)
+        else:
+            raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+    if labels.min() < 0 or labels.max() >= p.shape[1]:
+        raise ValueError(f"labels must lie in [0, {p.shape[1]}), got min {labels.min()}, max {labels.max()}")
+    if not np.all(np.isfinite(p)):
+        raise ValueError("probs contains NaN or infinity")
+    if p.min() < 0 or p.max() > 1:
+        raise ValueError(f"probs must lie in [0, 1], got min {p.min()}, max {p.max()}")
+    worst = float(np.max(np.abs(p.sum(axis=1) - 1.0)))
+    if worst > _ROW_SUM_ATOL:
+        raise ValueError(f"each row of probs must sum to 1 (largest deviation {worst:.3g})")
+    return p, labels.astype(np.int64)
+
+
+def binary_probs(p1: np.ndarray) -> np.ndarray:
+    """``P(y = 1)`` of shape ``(N,)`` -> the ``(N, 2)`` matrix ``[1 - p1, p1]`` the other metrics take."""
+    p1 = np.asarray(p1, dtype=np.float64).reshape(-1)
+    return np.stack([1.0 - p1, p1], axis=1)
+
+
+def accuracy(probs: np.ndarray, y: np.ndarray) -> float:
+    p, labels = _check(probs, y)
+    return float(np.mean(np.argmax(p, axis=1) == labels))
+
+
+def negative_log_likelihood(probs: np.ndarray, y: np.ndarray, floor: float = NLL_FLOOR) -> float:
+    """Mean ``-log p(y_n)`` of the predictive, with ``p`` floored at ``floor`` (see the module doc)."""
+    p, labels = _check(probs, y)
+    floor = float(floor)
+    if not (0.0 <= floor < 1.0):
+        raise ValueError(f"floor must be in [0, 1), got {floor}")
+    picked = p[np.arange(p.shape[0]), labels]
+    with np.errstate(divide="ignore"):
+        return float(np.mean(-np.log(np.maximum(picked, floor))))
+
+
+def reliability_bins(probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS) -> dict[str, np.ndarray]:
+    """Per-bin counts, accuracy and mean confidence of the top label (the ingredients of the ECE).
+
+    Returns a dict of arrays of length ``num_bins``: ``"lower"``, ``"upper"`` (the bin edges ``b/B`` and
+    ``(b+1)/B``), ``"count"``, ``"accuracy"`` and ``"confidence"`` (NaN for empty bins).
+    """
+    p, labels = _check(probs, y)
+    if isinstance(num_bins, bool) or not isinstance(num_bins, (int, np.integer)) or num_bins < 1:
+        raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
+    conf = p.max(axis=1)
+    correct = (np.argmax(p, axis=1) == labels).astype(np.float64)
+    # bin b holds (b/B, (b+1)/B]: index ceil(conf * B) - 1, clipped to [0, B-1]
+    idx = np.clip(np.ceil(conf * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
+    count = np.bincount(idx, minlength=num_bins)
+    sum_correct = np.bincount(idx, weights=correct, minlength=num_bins)
+    sum_conf = np.bincount(idx, weights=conf, minlength=num_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        acc = np.where(count > 0, sum_correct / count, np.nan)
+        mean_conf = np.where(count > 0, sum_conf / count, np.nan)
+    edges = np.arange(num_bins + 1) / num_bins
+    return {"lower": edges[:-1], "upper": edges[1:], "count": count, "accuracy": acc, "confidence": mean_conf}
+
+
+def expected_calibration_error(probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS) -> float:
+    """Top-label ECE with ``num_bins`` equal-width bins (default 15; see the module doc)."""
+    bins = reliability_bins(probs, y, num_bins)
+    count = bins["count"]
+    filled = count > 0
+    gaps = np.abs(bins["accuracy"][filled] - bins["confidence"][filled])
+    return float(np.sum(count[filled] / count.sum() * gaps))
+
+
+def brier_score(probs: np.ndarray, y: np.ndarray) -> float:
+    """Mean over points of ``sum_c (p_c - onehot(y)_c)^2``."""
+    p, labels = _check(probs, y)
+    onehot = np.zeros_like(p)
+    onehot[np.arange(p.shape[0]), labels] = 1.0
+    return float(np.mean(np.sum((p - onehot) ** 2, axis=1)))
+
+
+def classification_metrics(
+    probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS, nll_floor: float = NLL_FLOOR
+) -> dict[str, float | int]:
+    """``{"accuracy", "nll", "ece", "brier", "num_points"}`` of the predictive ``probs`` on labels ``y``."""
+    p, labels = _check(probs, y)
+    return {
+        "accuracy": accuracy(p, labels),
+        "nll": negative_log_likelihood(p, labels, floor=nll_floor),
+        "ece": expected_calibration_error(p, labels, num_bins),
+        "brier": brier_score(p, labels),
+        "num_points": int(p.shape[0]),
+    }
