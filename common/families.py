@@ -260,8 +260,8 @@ class MeanFieldGaussian(GaussianFactor):
         problems = []
         for n in self.names:
             e1, e2 = self.params[f"eta1/{n}"], self.params[f"eta2/{n}"]
-            if not (torch.isfinite(e1).all() and torch.isfinite(e2).all()):
-                problems.append(f"'{n}' has non-finite natural parameters")
+            if not (torch.isfinite(e1).all() and torch.isfinite(e2).all() and torch.isfinite(-2.0 * e2).all()):
+                problems.append(f"'{n}' has non-finite natural parameters or precision")
                 continue
             bad = e2 >= 0
             if bad.any():
@@ -371,18 +371,21 @@ class FullCovarianceGaussian(GaussianFactor):
         return torch.cholesky_solve(self.params["eta1"].unsqueeze(-1), self._cholesky_precision()).squeeze(-1)
 
     def improper_detail(self) -> str | None:
-        e1, e2 = self.params["eta1"], self.params["eta2"]
-        if not (torch.isfinite(e1).all() and torch.isfinite(e2).all()):
-            return "non-finite natural parameters"
+        e1, e2 = self.params["eta1"].detach(), self.params["eta2"].detach()
         lam = -2.0 * e2
+        if not (torch.isfinite(e1).all() and torch.isfinite(lam).all()):
+            return "non-finite natural parameters or precision"
         asym = float((lam - lam.T).abs().max())
         scale = float(lam.abs().max()) if lam.numel() else 0.0
-        if asym > 1e-8 * max(1.0, scale):
+        if not asym <= 1e-8 * max(1.0, scale):  # NaN-safe
             return f"precision is not symmetric (max asymmetry {asym:.3g})"
         _, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
         if int(info) != 0:
-            eig = torch.linalg.eigvalsh(0.5 * (lam + lam.T))
-            return f"precision is not positive definite (smallest eigenvalue {float(eig.min()):.4g})"
+            try:
+                smallest = f"{float(torch.linalg.eigvalsh(0.5 * (lam + lam.T)).min()):.4g}"
+            except RuntimeError:  # eigvalsh can fail to converge on extreme inputs
+                smallest = "unknown"
+            return f"precision is not positive definite (smallest eigenvalue {smallest})"
         return None
 
     def log_normalizer(self) -> Tensor:

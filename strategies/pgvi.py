@@ -50,6 +50,12 @@ def _last_line(text: str | None, limit: int = 300) -> str:
     return (lines[-1] if lines else "")[:limit]
 
 
+def _strict_int(value: object, key: str) -> int:
+    if type(value) is not int:
+        raise PGVIError(f"'{key}' must be an integer, got {value!r}")
+    return value
+
+
 class AllClientsFailed(RuntimeError):
     """Every message of a round failed: the run cannot make progress, so it stops with the clients' reason."""
 
@@ -271,7 +277,7 @@ class PGVIStrategy(Strategy):
     def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
         """Keep one message in flight per client; a 'round' is num-clients applied-or-rejected updates."""
         per_round = max(1, len(self._sample_nodes(grid)))
-        inflight: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent time)
+        inflight: dict[str, tuple[int, float, int]] = {}  # message id -> (node id, sent time, posterior version)
         busy: set[int] = set()
         rnd, stats = self.round_completed + 1, RoundStats()
         deadline = time.time() + timeout * num_rounds
@@ -283,22 +289,26 @@ class PGVIStrategy(Strategy):
             if free:
                 msgs = [self._train_message(n, rnd) for n in free]
                 for mid, msg in zip(grid.push_messages(msgs), msgs):
-                    inflight[mid] = (msg.metadata.dst_node_id, time.time())
+                    inflight[mid] = (msg.metadata.dst_node_id, time.time(), self.state.version)
                     busy.add(msg.metadata.dst_node_id)
                 stats.sent += len(msgs)
             replies = list(grid.pull_messages(list(inflight))) if inflight else []
             for reply in replies:
-                node, _ = inflight.pop(reply.metadata.reply_to_message_id, (reply.metadata.src_node_id, 0.0))
+                node, _, sent_version = inflight.pop(reply.metadata.reply_to_message_id,
+                                                     (reply.metadata.src_node_id, 0.0, -1))
                 busy.discard(node)
                 for d in self._decode_replies(rnd, [reply], stats):
-                    staleness = self.state.version - d.sent_version
+                    if sent_version < 0:  # not a reply to a message in flight
+                        self._reject(rnd, d.client_id, d.node_id, "reply to no message in flight", stats, bad=False)
+                        continue
+                    staleness = self.state.version - sent_version  # the server's record, not the reply's claim
                     stats.staleness.append(staleness)
                     if staleness > self.cfg.max_staleness:
                         self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.max_staleness})", stats, bad=False)
                         continue
                     self._apply_batch(rnd, [d], stats)
             now = time.time()
-            for mid, (node, sent) in list(inflight.items()):
+            for mid, (node, sent, _) in list(inflight.items()):
                 if now - sent > timeout:
                     inflight.pop(mid)
                     busy.discard(node)
@@ -459,6 +469,9 @@ class PGVIStrategy(Strategy):
                 log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, self._last_failure)
                 continue
             stats.replied += 1
+            if node not in self.node_client:  # not a client we sent work to: count it, keep no state for it
+                self._reject(rnd, cid, node, "reply from an unknown node", stats, bad=False)
+                continue
             try:
                 content = msg.content
                 cfg = content[P.CONFIG] if P.CONFIG in content else ConfigRecord()
@@ -484,8 +497,8 @@ class PGVIStrategy(Strategy):
                     raise PGVIError("no Delta in the reply")
                 record = content[P.DELTA]
                 delta = record_to_factor(record, self.problem.prior)
-                base = int(cfg.get("base-site-version", P.UNKNOWN_VERSION))
-                sent = int(cfg.get("posterior-version", self.state.version))
+                base = _strict_int(cfg.get("base-site-version"), "base-site-version")
+                sent = _strict_int(cfg.get("posterior-version", self.state.version), "posterior-version")
                 if base != self.ledger_versions.get(cid):
                     self.resync.add(cid)
                     raise PGVIError(
@@ -512,6 +525,8 @@ class PGVIStrategy(Strategy):
                 ok.append(d)
             except PGVIError as err:
                 self._reject(rnd, d.client_id, d.node_id, str(err), stats)
+            except Exception as err:  # numerical failure on an extreme input: reject, never crash
+                self._reject(rnd, d.client_id, d.node_id, f"could not check the Delta: {type(err).__name__}: {err}", stats)
         credited: dict[str, GaussianFactor] = {}
         while ok:
             # a robust aggregator replaces sum(Delta) by sum(credited); it sees the batch of valid Deltas
@@ -519,7 +534,9 @@ class PGVIStrategy(Strategy):
             try:
                 self.state.apply(credited)
                 break
-            except UpdateRejected as err:
+            except Exception as err:
+                if not isinstance(err, UpdateRejected):  # numerical failure on an extreme input
+                    err = UpdateRejected(",".join(credited), f"{type(err).__name__}: {err}")
                 culprit = [d for d in ok if d.client_id == err.client_id]
                 for d in culprit or ok:  # one named client: drop it and re-aggregate; else the whole batch
                     self._reject(rnd, d.client_id, d.node_id, f"batch check: {err.reason}", stats)

@@ -22,7 +22,7 @@ Three kinds of tests: (1) labelled single replies: a valid reply (a real ``dampe
 local posterior) with any number of harmless changes and at most one decisive fault whose outcome is known;
 (2) labelled batches of several such replies (duplicates, unknown nodes, error replies, jointly improper
 Deltas); (3) chaos: replies whose every part may be garbage, checked against the generic properties only.
-Known defects are pinned by ``xfail(strict=True)`` tests at the end.
+Defects found by fuzzing have regression tests at the end.
 """
 
 from __future__ import annotations
@@ -931,7 +931,7 @@ def test_chaos_never_crashes_nor_corrupts(data):
 
 
 # =================================================================================================
-# known defects (xfail strict: when one is fixed, the test passes, and the marker must go)
+# defects found by fuzzing, now fixed (regression tests)
 def _one_reply(setup: str, delta_arrays) -> tuple[PGVIStrategy, Case, RecordDict]:
     """A fresh strategy and a well-formed reply from site-0 carrying ``delta_arrays(prior layout)``."""
     s = fresh(setup)
@@ -951,11 +951,6 @@ def _huge_eta2(value_of_shape):
     return arrays
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GaussianFactor.improper_detail does not check that the precision -2*eta2 is finite: a finite Delta "
-    "with eta2 = -1e308 makes the posterior precision overflow to inf and is applied (degenerate posterior)",
-)
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_delta_whose_precision_overflows_is_rejected(setup):
     eye = lambda sh: -1e308 * (np.eye(sh[0]) if len(sh) == 2 else np.ones(sh))  # noqa: E731
@@ -975,13 +970,6 @@ ASYMMETRIC_HUGE = [  # found by fuzzing FullCovarianceGaussian.improper_detail w
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="finite asymmetric eta2 Delta near the float64 limit: -2*eta2 overflows, the asymmetry test compares "
-    "NaN and passes, Cholesky fails and torch.linalg.eigvalsh raises _LinAlgError (a RuntimeError, not a "
-    "PGVIError), which escapes _apply_batch: the server crashes",
-)
 def test_asymmetric_overflowing_delta_does_not_crash_the_server():
     s, case, content = _one_reply("fc4", _huge_eta2(lambda sh: ASYMMETRIC_HUGE))
     replies = [case.reply(content)]
@@ -991,11 +979,6 @@ def test_asymmetric_overflowing_delta_does_not_crash_the_server():
     assert_state_unchanged(s, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="base-site-version is parsed with int(): a float (1.5 -> 1), a bool (True -> 1), a str ('1') or "
-    "bytes (b'1') is taken for the integer ledger version 1 instead of being rejected as malformed",
-)
 @pytest.mark.parametrize("value", [1.5, 1.9, True, "1", " 1\n", b"1"], ids=repr)
 def test_non_integer_base_site_version_is_rejected(value):
     s, case, content = _one_reply("fc1", lambda layout: {k: np.zeros(sh) for k, sh in layout.items()})
