@@ -382,32 +382,79 @@ class MeanFieldMomentDivergence:
     def __call__(self, means: dict[str, Tensor], variances: dict[str, Tensor]) -> Tensor:
         total: Tensor | None = None
         for k in self.names:
-            lam_p, var = self.lam_p[k], variances[k]
-            d = means[k] - self.mean_p[k]
-            r = lam_p * var
-            if self.kind == "kl":
-                u = r - 1.0
-                part = (u - torch.log1p(u) + lam_p * d * d).sum()
-            elif self.kind == "reverse_kl":
-                v = 1.0 / r - 1.0
-                part = (v - torch.log1p(v) + d * d / var).sum()
-            else:
-                al = self.alpha
-                u = r - 1.0
-                a = (1.0 - al) * u
-                if not bool((a > -1.0).all()):
-                    bad = int((~(a > -1.0)).sum())
-                    raise DivergenceUndefinedError(
-                        f"Alpha-Renyi divergence with alpha={al:g} is infinite: combined precision "
-                        f"alpha*lambda_q + (1-alpha)*lambda_p <= 0 in {bad} of {a.numel()} coordinates of '{k}'"
-                        + (f"; for alpha > 1, q must satisfy sigma_q^2 < {al / (al - 1.0):.4g} * sigma_p^2"
-                           if al > 1.0 else "")
-                    )
-                log_term = (torch.log1p(a) - (1.0 - al) * torch.log1p(u)) / (al * (al - 1.0))
-                part = (d * d * lam_p / (1.0 + a) - log_term).sum()
+            part = _MomentDivergenceFn.apply(means[k], variances[k], self.mean_p[k], self.lam_p[k], self.kind,
+                                             self.alpha, 0.5 * self.weight, k)
             total = part if total is None else total + part
         assert total is not None
-        return (0.5 * self.weight) * total
+        return total
+
+
+class _MomentDivergenceFn(torch.autograd.Function):
+    """``c * sum_i f(mu_i, v_i)`` for one tensor with the analytic gradient (``c = weight / 2``).
+
+    Fewer passes over the ~10^5 coordinates than autograd's chain of element-wise ops.  Derivatives, with
+    ``d = mu - mu_p``, ``u = lambda_p v - 1``, ``a = (1 - alpha) u``:
+
+    * kl:          f = u - log1p(u) + lambda_p d^2;     df/dmu = 2 lambda_p d;   df/dv = lambda_p - 1/v
+    * reverse_kl:  f = w - log1p(w) + d^2 / v, w = 1/(lambda_p v) - 1;
+                   df/dmu = 2 d / v;   df/dv = (1 - 1/(lambda_p v) - d^2/v) / v
+    * alpha_renyi: f = lambda_p d^2 / (1 + a) - [log1p(a) - (1 - alpha) log1p(u)] / (alpha (alpha - 1));
+                   df/dmu = 2 lambda_p d / (1 + a);
+                   df/dv = -(1 - alpha) lambda_p^2 d^2 / (1 + a)^2 + lambda_p (1/(1 + a) - 1/(1 + u)) / alpha
+    """
+
+    @staticmethod
+    def forward(ctx, mean, var, mean_p, lam_p, kind, alpha, c, name):  # type: ignore[no-untyped-def,override]
+        d = mean - mean_p
+        if kind == "kl":
+            u = torch.mul(lam_p, var).sub_(1.0)
+            val = u.sub(torch.log1p(u)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
+            ctx.save_for_backward(d, var, lam_p)
+        elif kind == "reverse_kl":
+            w = torch.mul(lam_p, var).reciprocal_().sub_(1.0)
+            val = w.sub(torch.log1p(w)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
+            ctx.save_for_backward(d, var, lam_p)
+        else:
+            u = torch.mul(lam_p, var).sub_(1.0)
+            # domain: 1 + a > 0 with a = (1 - alpha) u, i.e. u < 1/(alpha - 1) (alpha > 1) or u > -1/(1 - alpha)
+            extreme = float(u.max()) if alpha > 1.0 else float(u.min())
+            if not (1.0 + (1.0 - alpha) * extreme > 0.0):
+                a_all = (1.0 - alpha) * u
+                bad = int((~(a_all > -1.0)).sum())
+                raise DivergenceUndefinedError(
+                    f"Alpha-Renyi divergence with alpha={alpha:g} is infinite: combined precision "
+                    f"alpha*lambda_q + (1-alpha)*lambda_p <= 0 in {bad} of {u.numel()} coordinates of '{name}'"
+                    + (f"; for alpha > 1, q must satisfy sigma_q^2 < {alpha / (alpha - 1.0):.4g} * sigma_p^2"
+                       if alpha > 1.0 else "")
+                )
+            a = u * (1.0 - alpha)
+            inv1a = torch.reciprocal(a + 1.0)
+            log_term = torch.log1p(a).sub_(torch.log1p(u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
+            val = torch.dot((lam_p * d * d).reshape(-1), inv1a.reshape(-1)) - log_term
+            ctx.save_for_backward(d, var, lam_p, u, inv1a)
+        ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
+        return val * c
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def,override]
+        g = grad * ctx.c
+        kind, alpha = ctx.kind, ctx.alpha
+        if kind == "kl":
+            d, var, lam_p = ctx.saved_tensors
+            g_mean = (lam_p * d).mul_(2.0 * g)
+            g_var = torch.reciprocal(var).neg_().add_(lam_p).mul_(g)
+        elif kind == "reverse_kl":
+            d, var, lam_p = ctx.saved_tensors
+            inv_v = torch.reciprocal(var)
+            g_mean = (d * inv_v).mul_(2.0 * g)
+            g_var = (1.0 - inv_v / lam_p - d * d * inv_v).mul_(inv_v).mul_(g)
+        else:
+            d, var, lam_p, u, inv1a = ctx.saved_tensors
+            t = lam_p * d * inv1a  # lambda_p d / (1 + a)
+            g_mean = (2.0 * g) * t
+            g_var = (t * t).mul_(-(1.0 - alpha))
+            g_var.add_((inv1a - torch.reciprocal(u + 1.0)).mul_(lam_p), alpha=1.0 / alpha).mul_(g)
+        return g_mean, g_var, None, None, None, None, None, None
 
 
 def _finite_float(expected: Tensor, div: Tensor, where: str) -> float:

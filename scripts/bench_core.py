@@ -1,0 +1,161 @@
+"""Benchmark of the PGVI core's hot path: one local epoch of the 784-200-10 mean-field BNN.
+
+In one process, with ``torch.set_num_threads(--threads)``:
+
+1. the machine's float32 matmul peak: ``torch.mm`` on square matrices of a few sizes, best GFLOP/s;
+2. one epoch of :func:`common.local_gvi.local_gvi` on ``--n`` synthetic samples (inputs uniform in [0, 1]^784,
+   10 random classes), batch ``--batch``, ``--samples`` Monte Carlo samples, local reparameterisation, for
+   (a) ``nll`` + ``kl`` and (b) ``gce(0.8)`` + ``alpha_renyi(2.5)``;
+3. samples/s, achieved GFLOP/s and its fraction of the peak, and the peak RSS (``ru_maxrss``).
+
+Both rates are reported by wall clock and by process CPU time (``time.process_time``).  On a machine shared
+with other work the wall-clock figures measure the sharing; with ``--threads 1`` the CPU-time figures are
+the per-core efficiency and do not depend on the load (with 2 threads, OpenMP's waiting threads also burn
+CPU time, so only the wall-clock figure is meaningful, on a quiet machine).
+
+FLOP count (matmuls only; element-wise work, sampling, the divergence and Adam are not counted but are
+inside the timed epoch).  Per minibatch of ``B`` points and ``S`` samples, layer ``l`` maps ``in_l -> out_l``:
+
+* forward (local reparameterisation, :meth:`BayesianMLP.forward_flops`): two GEMMs per layer (mean
+  ``h W_mu^T`` and variance ``h^2 W_var^T``): layer 1 on the ``B`` input rows once (its moments are shared by
+  all samples), later layers on ``S B`` rows: ``4 B in_1 out_1 + 4 S B sum_{l>1} in_l out_l``;
+* backward: each GEMM needs the weight gradient (as many FLOPs as its forward); the input gradient is
+  needed for layers > 1 only (layer 1's inputs are data): ``4 B in_1 out_1 + 8 S B sum_{l>1} in_l out_l``.
+
+For 784-200-10, S = 10: 1,254,400 + 240,000 = 1,494,400 FLOPs per point per epoch.
+
+Run:  .venv/bin/python scripts/bench_core.py [--threads 2] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from common.divergences import make_divergence  # noqa: E402
+from common.families import MeanFieldGaussian  # noqa: E402
+from common.local_gvi import LocalGVIConfig, local_gvi  # noqa: E402
+from common.losses import make_loss  # noqa: E402
+from common.models import make_model  # noqa: E402
+
+
+def rss_mb() -> float:
+    """Peak resident set size of this process so far, MB (Linux ru_maxrss is in KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def matmul_peak(sizes: list[int], min_time: float = 0.4) -> tuple[float, float, dict[int, tuple[float, float]]]:
+    """Best float32 ``torch.mm`` GFLOP/s over square sizes, by wall clock and by process CPU time.
+
+    Each size is timed in rounds of at least ``min_time`` s; the best round counts.  The CPU-time rate is
+    robust to other processes sharing the cores (with one thread it is the per-core rate).
+    """
+    results = {}
+    for n in sizes:
+        a = torch.rand(n, n)
+        b = torch.rand(n, n)
+        c = torch.empty(n, n)
+        for _ in range(3):
+            torch.mm(a, b, out=c)
+        best_wall, best_cpu = 0.0, 0.0
+        for _ in range(3):
+            reps, elapsed = 0, 0.0
+            t0, c0 = time.perf_counter(), time.process_time()
+            while elapsed < min_time:
+                torch.mm(a, b, out=c)
+                reps += 1
+                elapsed = time.perf_counter() - t0
+            cpu = time.process_time() - c0
+            best_wall = max(best_wall, 2.0 * n**3 * reps / elapsed / 1e9)
+            best_cpu = max(best_cpu, 2.0 * n**3 * reps / cpu / 1e9)
+        results[n] = (best_wall, best_cpu)
+    return max(w for w, _ in results.values()), max(c for _, c in results.values()), results
+
+
+def bnn_flops_per_point(sizes: list[int], n_samples: int) -> int:
+    pairs = [sizes[i] * sizes[i + 1] for i in range(len(sizes) - 1)]
+    forward = 4 * pairs[0] + 4 * n_samples * sum(pairs[1:])
+    backward = 4 * pairs[0] + 8 * n_samples * sum(pairs[1:])
+    return forward + backward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3, help="timed epochs per configuration (best is reported)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of 20 training steps")
+    args = ap.parse_args()
+    if args.threads < 1:
+        raise SystemExit("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()}")
+    print(f"peak RSS after imports: {rss_mb():.0f} MB")
+    peak, peak_cpu, per_size = matmul_peak([256, 512, 1024, 2048])
+    print("matmul float32 GFLOP/s by size (wall / per CPU-second): "
+          + ", ".join(f"{n}: {w:.1f} / {c:.1f}" for n, (w, c) in per_size.items()))
+    print(f"peak: {peak:.1f} GFLOP/s wall, {peak_cpu:.1f} GFLOP per CPU-second (peak RSS now {rss_mb():.0f} MB)")
+
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.rand(args.n, 784, generator=g)
+    y = torch.randint(0, 10, (args.n,), generator=g)
+    model = make_model("bnn", in_features=784, hidden=[args.hidden], num_classes=10)
+    prior = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 1.0, dtype=torch.float32)
+    mean = model.init_mean(torch.Generator().manual_seed(args.seed))
+    init = MeanFieldGaussian.from_mean_variance(mean, {k: torch.full_like(v, 1e-3) for k, v in mean.items()})
+    flops_point = bnn_flops_per_point(model.sizes, args.samples)
+    print(f"model {model.sizes}, {model.num_params} parameters; {flops_point:,} matmul FLOPs per point per epoch")
+
+    base = LocalGVIConfig(epochs=1, batch_size=args.batch, lr=5e-4, n_samples=args.samples, patience=None,
+                          seed=args.seed, local_reparam=True, objective_estimate="running")
+    cases = [
+        ("nll + kl", make_loss("nll"), make_divergence("kl")),
+        ("gce(0.8) + alpha_renyi(2.5)", make_loss("gce", delta=0.8), make_divergence("alpha_renyi", alpha=2.5)),
+    ]
+    # warm-up (first-call costs: the optimiser import, allocator growth)
+    local_gvi(model, cases[0][1], cases[0][2], prior, x[: 4 * args.batch], y[: 4 * args.batch], init, base)
+
+    for name, loss, div in cases:
+        times, cpus = [], []
+        for r in range(args.repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = local_gvi(model, loss, div, prior, x, y, init, replace(base, seed=args.seed + r))
+            times.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+        best, best_cpu = min(times), min(cpus)
+        gflops = flops_point * args.n / best / 1e9
+        gflops_cpu = flops_point * args.n / best_cpu / 1e9
+        print(
+            f"[{name}] epoch {best:.3f} s wall (runs {', '.join(f'{t:.2f}' for t in times)}), "
+            f"{args.n / best:,.0f} samples/s, {gflops:.1f} GFLOP/s = {100 * gflops / peak:.0f}% of the wall peak; "
+            f"{best_cpu:.3f} CPU-s, {gflops_cpu:.1f} GFLOP per CPU-second = {100 * gflops_cpu / peak_cpu:.0f}% of "
+            f"the CPU-time peak; objective {res.objective_trace[0]:.1f}, path {res.path}, "
+            f"peak RSS now {rss_mb():.0f} MB"
+        )
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        sub = 20 * args.batch
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            local_gvi(model, cases[1][1], cases[1][2], prior, x[:sub], y[:sub], init, base)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+    print(f"peak RSS: {rss_mb():.0f} MB; load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
