@@ -64,6 +64,7 @@ class RunConfig(BaseModel):
     divergence_w: float = Field(1.0, gt=0, description="weighted KL: D = (1/w) KL")
     server_divergence: str = "kl"
     server_divergence_alpha: float = 2.5
+    server_divergence_w: float = Field(1.0, gt=0, description="server weighted KL: D_s = (1/w) KL")
     damping: float | Literal["auto"] = Field("auto", description="rho in (0, 1]; 'auto' = 1/M (sequential: 1)")
     schedule: Literal["synchronous", "sequential", "asynchronous"] = "synchronous"
     sequential_order: str = Field("", description="comma-separated client ids; '' = sorted ids")

@@ -259,7 +259,7 @@ class MeanFieldGaussian(GaussianFactor):
     def improper_detail(self) -> str | None:
         problems = []
         for n in self.names:
-            e1, e2 = self.params[f"eta1/{n}"], self.params[f"eta2/{n}"]
+            e1, e2 = self.params[f"eta1/{n}"].detach(), self.params[f"eta2/{n}"].detach()
             if not (torch.isfinite(e1).all() and torch.isfinite(e2).all() and torch.isfinite(-2.0 * e2).all()):
                 problems.append(f"'{n}' has non-finite natural parameters or precision")
                 continue

@@ -179,8 +179,11 @@ def build_problem(cfg: RunConfig, data: ArraysSplit | None = None) -> Problem:
         seed=cfg.seed,
         init=cfg.init,
         local_reparam=cfg.local_reparam,
+        # BNNs: judge early stopping on the epoch's running objective (no extra pass over the data)
+        objective_estimate="running" if cfg.model == "bnn" else "end_of_epoch",
     )
-    server_hyper = {"alpha": cfg.server_divergence_alpha} if cfg.server_divergence == "alpha_renyi" else {}
+    server_hyper = {"alpha_renyi": {"alpha": cfg.server_divergence_alpha},
+                    "weighted_kl": {"w": cfg.server_divergence_w}}.get(cfg.server_divergence, {})
     return Problem(
         cfg=cfg,
         model=model,

@@ -45,3 +45,11 @@ def test_embedded_default_prepares_without_download():
     cfg, problem = prepare(app_config())
     assert cfg.dataset == "digits" and cfg.label_noise > 0 and cfg.loss == "gce"
     assert problem.model.is_classifier
+
+
+@pytest.mark.parametrize("server_divergence,extra", [("weighted_kl", {"server-divergence-w": 0.5}),
+                                                     ("alpha_renyi", {"server-divergence-alpha": 0.5})])
+def test_every_server_divergence_builds(server_divergence, extra):
+    _, problem = prepare({**app_config(), "server-divergence": server_divergence, **extra})
+    post = problem.server_step(problem.prior, problem.prior.zeros_like())
+    assert post.is_proper()
