@@ -137,8 +137,14 @@ def run_simulation(
            "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus_per_client:g}"]
     t0 = time.time()
     try:
-        with open(log_path, "w") as log:
-            subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        # Flower gives its managed SuperLink a fixed 15 s to start; on a loaded machine that can fail: retry
+        for attempt in range(3):
+            with open(log_path, "w") as log:
+                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+            if "Failed to start local SuperLink" not in Path(log_path).read_text():
+                break
+            stop_local_superlink(http_port, home)
+            time.sleep(5 * (attempt + 1))
         ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     finally:
