@@ -76,6 +76,21 @@ def _pids_with_env(key: str, value: str) -> list[int]:
     return out
 
 
+def _wait_healthy(port: int, timeout: float) -> bool:
+    import urllib.request
+
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1.0)
+    return False
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     kids = [int(x) for x in out.split()]
@@ -143,8 +158,8 @@ def run_simulation(
                 subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
             if "Failed to start local SuperLink" not in Path(log_path).read_text():
                 break
-            stop_local_superlink(http_port, home)
-            time.sleep(5 * (attempt + 1))
+            # the detached SuperLink keeps starting; once it answers, `flwr run` finds and uses it
+            _wait_healthy(http_port, timeout=180.0)
         ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     finally:
