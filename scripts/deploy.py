@@ -8,7 +8,10 @@ SuperNode authentication with ``--auth`` registers each node's public key with
 ``--insecure``, which prints a warning.
 
 SuperNode ``k`` gets ``--port <node-port-base + k>`` and the node config
-``partition-id=k num-partitions=N client-id="site-k" state-dir="<run-dir>/nodes/site-k/state"``.
+``partition-id=k num-partitions=N client-id="site-k" state-dir="<run-dir>/nodes/site-k/state"``,
+then the shared ``node_config``, then node ``k``'s own entries from ``node_configs[k]`` (each merged
+over the previous). ``restart_node(k, node_config=..., wipe_state=True)`` restarts one node with a
+changed node config and/or an empty state dir (fault-injection experiments).
 A Flower CLI config (``<run-dir>/homes/cli/config.toml``) gets a connection
 (default name ``pgvi-deploy``) to the Control API.
 
@@ -324,6 +327,9 @@ class Deployment:
         ``"process"`` (separate ``flower-superexec`` processes, like the Docker layout).
     node_config:
         Extra node-config entries for every node (e.g. ``{"torch-threads": 1}``).
+    node_configs:
+        Per-node entries ``{k: {...}}`` merged over ``node_config`` for node ``k`` only
+        (e.g. ``{1: {"fault": "nan@2"}}``); see :meth:`node_config_for`, :meth:`set_node_config`.
     superexec_poll_interval:
         ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` for all processes (Flower default 1 s).
     env:
@@ -347,6 +353,7 @@ class Deployment:
         isolation: str = "subprocess",
         connection: str = DEFAULT_CONNECTION,
         node_config: Mapping[str, Any] | None = None,
+        node_configs: Mapping[int, Mapping[str, Any]] | None = None,
         superexec_poll_interval: float | None = 0.1,
         env: Mapping[str, str] | None = None,
         bin_dir: str | os.PathLike[str] | None = None,
@@ -382,6 +389,9 @@ class Deployment:
         self.isolation = isolation
         self.connection = connection
         self.node_config = dict(node_config or {})
+        self.node_configs: dict[int, dict[str, Any]] = {}
+        for k, cfg in (node_configs or {}).items():
+            self.set_node_config(int(k), cfg)
         self.superexec_poll_interval = superexec_poll_interval
         self.extra_env = dict(env or {})
         self.bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent
@@ -412,6 +422,39 @@ class Deployment:
 
     def node_state_dir(self, k: int) -> Path:
         return self.run_dir / "nodes" / self.node_name(k) / "state"
+
+    def _check_index(self, k: int) -> None:
+        if not 0 <= k < self.num_nodes:
+            raise ValueError(f"node index k must be in [0, {self.num_nodes}), got {k}")
+
+    def node_config_for(self, k: int) -> dict[str, Any]:
+        """The node config SuperNode ``k`` is started with: defaults < shared < per-node entries."""
+        self._check_index(k)
+        return {
+            "partition-id": k,
+            "num-partitions": self.num_nodes,
+            "client-id": self.node_name(k),
+            "state-dir": str(self.node_state_dir(k)),
+            **self.node_config,
+            **self.node_configs.get(k, {}),
+        }
+
+    def set_node_config(self, k: int, config: Mapping[str, Any] | None) -> None:
+        """Replace node ``k``'s own node-config entries (``None`` or ``{}``: none); used at its next start."""
+        self._check_index(k)
+        cfg = dict(config or {})
+        _node_config_arg(cfg)  # validate keys/values now, not at the next start
+        if cfg:
+            self.node_configs[k] = cfg
+        else:
+            self.node_configs.pop(k, None)
+
+    def wipe_node_state(self, k: int) -> None:
+        """Empty node ``k``'s state dir (the ClientApp's durable state). Only while no message runs on it."""
+        state_dir = self.node_state_dir(k)
+        if state_dir.exists():
+            shutil.rmtree(state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
 
     def node_key(self, k: int) -> tuple[Path, Path]:
         """(private, public) OpenSSH key paths of node ``k``."""
@@ -718,21 +761,13 @@ class Deployment:
 
     def start_node(self, k: int, *, private_key: Path | None = None) -> ProcInfo:
         """Start SuperNode ``k`` (and its SuperExec with ``isolation='process'``)."""
-        if not 0 <= k < self.num_nodes:
-            raise ValueError(f"node index k must be in [0, {self.num_nodes}), got {k}")
+        self._check_index(k)
         old = self._proc("supernode", k)
         if old is not None and self._alive(old):
             raise DeploymentError(f"supernode-{k} is still running (pid {old.pid})")
         port = self.node_ports[k]
-        state_dir = self.node_state_dir(k)
-        state_dir.mkdir(parents=True, exist_ok=True)
-        node_cfg = {
-            "partition-id": k,
-            "num-partitions": self.num_nodes,
-            "client-id": self.node_name(k),
-            "state-dir": str(state_dir),
-            **self.node_config,
-        }
+        self.node_state_dir(k).mkdir(parents=True, exist_ok=True)
+        node_cfg = self.node_config_for(k)
         cmd = [
             self._bin("flower-supernode"),
             *self._tls_client_args(),
@@ -875,16 +910,33 @@ class Deployment:
         self._save_state()
         log.info("node %d stopped with signal %d", k, sig)
 
-    def restart_node(self, k: int, timeout: float = 150.0, wait: bool = True) -> None:
+    _KEEP: Any = object()
+
+    def restart_node(
+        self,
+        k: int,
+        timeout: float = 150.0,
+        wait: bool = True,
+        *,
+        node_config: Mapping[str, Any] | None = _KEEP,
+        wipe_state: bool = False,
+    ) -> None:
         """(Re)start SuperNode ``k``, handling the SIGKILL re-activation gotcha (notes §4).
 
         With ``auth`` and a node that was SIGKILLed, wait until the SuperLink marks the
         old session offline (<= ~60 s), then start; a start that still exits with
         Flower code 305 is retried with backoff until ``timeout``.
+
+        ``node_config`` (if given) replaces node ``k``'s own entries (:meth:`set_node_config`;
+        ``None``/``{}`` drops them); ``wipe_state`` empties its state dir once it has stopped.
         """
         p = self._proc("supernode", k)
         if p is not None and self._alive(p):
             self.kill_node(k, signal.SIGTERM)
+        if node_config is not self._KEEP:
+            self.set_node_config(k, node_config)
+        if wipe_state:
+            self.wipe_node_state(k)
         deadline = time.monotonic() + timeout
         if self.auth and k in self._killed_hard:
             while self.node_status(k) == "online":
@@ -1048,6 +1100,7 @@ class Deployment:
             "isolation": self.isolation,
             "connection": self.connection,
             "node_config": self.node_config,
+            "node_configs": {str(k): v for k, v in self.node_configs.items()},
             "superexec_poll_interval": self.superexec_poll_interval,
             "env": self.extra_env,
             "bin_dir": str(self.bin_dir),
@@ -1086,6 +1139,7 @@ class Deployment:
             isolation=st["isolation"],
             connection=st["connection"],
             node_config=st["node_config"],
+            node_configs={int(k): v for k, v in st.get("node_configs", {}).items()},
             superexec_poll_interval=st["superexec_poll_interval"],
             env=st["env"],
             bin_dir=st["bin_dir"],
@@ -1138,6 +1192,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--connection", default=DEFAULT_CONNECTION)
     up.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
                     help="extra node config for every node, e.g. torch-threads=1 (repeatable)")  # fmt: skip
+    up.add_argument("--node-config-for", nargs=2, action="append", default=[], metavar=("K", "KEY=VALUE"),
+                    help="node config for node K only, merged over --node-config (repeatable)")  # fmt: skip
     up.add_argument("--poll-interval", type=float, default=0.1,
                     help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")  # fmt: skip
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait until online")
@@ -1175,6 +1231,17 @@ def _parse_kv(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _parse_per_node(items: Sequence[Sequence[str]]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for k, kv in items:
+        try:
+            idx = int(k)
+        except ValueError:
+            raise SystemExit(f"--node-config-for expects a node index, got {k!r}") from None
+        out.setdefault(idx, {}).update(_parse_kv([kv]))
+    return out
+
+
 def _print_result(res: RunResult) -> None:
     print(json.dumps({
         "run-id": res.run_id, "status": res.status, "status-details": res.details,
@@ -1203,6 +1270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             isolation=args.isolation,
             connection=args.connection,
             node_config=_parse_kv(args.node_config),
+            node_configs=_parse_per_node(args.node_config_for),
             superexec_poll_interval=args.poll_interval,
         )
         old = Path(args.run_dir).resolve() / STATE_FILE
