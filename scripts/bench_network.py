@@ -10,15 +10,18 @@ Three parts, each selectable by a flag (no flag = all three):
     * round wall time: the ServerApp appends a row to ``metrics.jsonl`` when a round ends (round 0 is written
       after the prior is evaluated, just before round 1 starts).  The records carry no timestamps, so a
       thread of this script polls the file every 0.05 s and stamps each new row with the time it appeared;
-      round ``r`` lasts ``t(row r) - t(row r-1)`` (resolution about 0.05 s).
+      round ``r`` lasts ``t(row r) - t(row r-1)``.  The stamp is the file's mtime when one row was added since
+      the last poll (the write time itself), else the poll time.
     * local compute: ``client-seconds-max`` of the row (the slowest client's ``client_step`` wall time);
       ``overhead = wall - client-seconds-max``.
     * where the overhead goes, from a sampler that reads ``/proc`` every 0.25 s for every process carrying the
-      deployment's environment marker: ``dispatch`` = first ``flwr-clientapp`` start (``/proc/<pid>/stat``
-      start time) minus round start; ``tail`` = round end minus the last ``flwr-clientapp`` exit (last time
-      seen, +0-0.25 s); ``in-app`` = mean ClientApp process lifetime minus ``client-seconds-mean`` (imports,
-      data loading, reply encoding, state file); CPU seconds per process role; the machine's busy CPU
-      seconds (``/proc/stat``) minus ours = CPU used by other work on the shared machine.
+      deployment's environment marker.  Only ``flwr-clientapp`` processes that loaded torch (peak RSS > 300 MB)
+      count as having run the ClientApp; the others were started and stopped by Flower before loading it
+      ("aborted").  ``dispatch`` = first ClientApp start (``/proc/<pid>/stat`` start time) minus round start;
+      ``tail`` = round end minus the last ClientApp's CPU going idle; ``in-app`` = mean ClientApp lifetime
+      (start to CPU idle) minus ``client-seconds-mean`` (imports, FAB install, data loading, reply encoding,
+      state file); CPU seconds per process role; the machine's busy CPU seconds (``/proc/stat``) minus ours =
+      CPU used by other work on the shared machine.
     * bytes: ``reply-bytes / applied`` (ArrayRecord bytes counted by the strategy) against the raw float32
       payload ``2 * P * 4`` (eta1 and eta2 for each of the ``P`` parameters), and the TCP bytes the
       SuperNodes sent to the Fleet API per applied update (``ss -ti`` ``bytes_acked`` of their connections:
@@ -367,6 +370,7 @@ class RowWatcher:
                 return
             self.path = found[-1]
         try:
+            mtime = self.path.stat().st_mtime
             data = self.path.read_bytes()
         except OSError:
             return
@@ -377,9 +381,10 @@ class RowWatcher:
         end = chunk.rfind(b"\n")
         if end < 0:
             return
-        for line in chunk[: end + 1].splitlines():
-            if line.strip():
-                self.rows.append((t, json.loads(line)))
+        lines = [ln for ln in chunk[: end + 1].splitlines() if ln.strip()]
+        for i, line in enumerate(lines):
+            # the file's mtime is the write time of its last row (this thread may see it late under load)
+            self.rows.append((min(t, mtime) if i == len(lines) - 1 else t, json.loads(line)))
         self._consumed += end + 1
 
     def _loop(self) -> None:
@@ -588,6 +593,7 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
             "cpu-s-other-work": machine - ours, "test-accuracy": r.get("test-accuracy", float("nan")),
         })  # fmt: skip
     result["rounds"] = per_round
+    result["row-times"] = {r: t - t_row[0] for r, t in t_row.items()}
     result["clientapp-processes"] = [
         {"pid": p.pid, "start": p.start - t_row[0], "active-end": p.active_end - t_row[0], "last-seen": p.last_seen - t_row[0],
          "cpu-s": p.cpu_last, "rss-peak-mb": p.rss_peak / MB} for p in clientapps
