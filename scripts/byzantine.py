@@ -2,7 +2,8 @@
 
 Usage:
     python scripts/byzantine.py [--rounds 5] [--local-epochs 100] [--honest 10] [--jobs 2]
-                                [--out runs/byzantine] [-c key=value ...]
+                                [--attacks scale:10,flip] [--aggregators sum,norm_clip,trimmed_mean,median]
+                                [--out runs/byzantine] [--from-records] [-c key=value ...]
 
 The embedded main job (``[tool.flwr.app.config]`` in pyproject.toml: BNN 64-50-10 on scikit-learn digits,
 GCE loss + Alpha-Renyi divergence, 20 % random label noise, IID split) is run with ``honest + 1`` clients
@@ -16,12 +17,15 @@ Scenarios: ``honest`` (no fault) and each attack, each under each aggregator (``
 data and partition; only the fault and the aggregator differ.  Accuracy is the server's held-out test set
 (``test-accuracy`` in each run's ``metrics.jsonl``), reported for the final round and as the best over rounds
 1..R, and as differences in percentage points to the honest run with plain sum and to the honest run with the
-same aggregator.  Two diagnostics of the final posterior against the honest plain-sum posterior: the relative
-shift of its mean, ``||mu - mu_honest|| / ||mu_honest||`` over all weights, and the ratio of its mean precision.
+same aggregator.  Diagnostics of the final posterior: the relative shift of its mean, ``||mu - mu_ref|| /
+||mu_ref||`` over all weights, against the honest plain-sum run and against the honest run with the same
+aggregator; the ratio of its mean precision to the honest plain-sum one; and the mean precision of the ledger's
+sites (the other clients' average and the last client's).  Results and observations: docs/byzantine.md.
 
 Each run writes the usual records (``metrics.jsonl``, ``metrics.csv``, ``summary.json``, ...) under
 ``<out>/<scenario>-<aggregator>/``.  Runs are independent processes (``--jobs``), each with one torch thread, so
-the results do not depend on ``--jobs``.
+the results do not depend on ``--jobs`` (each run is deterministic).  The tables are always read back from the
+records; ``--from-records`` rebuilds them from an earlier run without running anything.
 """
 
 from __future__ import annotations
