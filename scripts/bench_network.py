@@ -44,7 +44,7 @@ Three parts, each selectable by a flag (no flag = all three):
 
 Run from the repository root::
 
-    .venv/bin/python scripts/bench_network.py                  # all three parts (about an hour on 2 cores)
+    .venv/bin/python scripts/bench_network.py                  # all three parts (about 35 min on 2 shared cores)
     .venv/bin/python scripts/bench_network.py --network --rounds 2 --local-epochs 20
     .venv/bin/python scripts/bench_network.py --client-rss --fresh-client-venv
 

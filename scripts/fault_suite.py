@@ -129,6 +129,7 @@ _INFRA_PATTERNS = {
     "task-token-expired": re.compile(r"Runtime task-token authentication failed"),
     "sqlite-locked": re.compile(r"database is locked"),
     "http-500": re.compile(r"500 Internal Server Error"),
+    "grpc-internal": re.compile(r"StatusCode\.INTERNAL"),
 }
 _FAULT_FAILURE = re.compile(r"round (\d+): client '([^']+)' failed: .*fault injection")
 _ANY_FAILURE = re.compile(r"round (\d+): client '([^']+)' (?:failed|could not update): (.*)")
@@ -316,8 +317,10 @@ class Suite:
         while os.getloadavg()[0] >= self.args.max_load and time.monotonic() < deadline:
             time.sleep(5)
 
-    def wait_idle(self, dep: Deployment, timeout: float = 180.0) -> bool:
-        """Until no ClientApp/ServerApp process of this deployment runs (state files are quiet)."""
+    def wait_idle(self, dep: Deployment, timeout: float = 90.0) -> bool:
+        """Until no ClientApp/ServerApp process of this deployment runs (state files are quiet).  A ClientApp
+        whose task token expired before it pulled its message hangs until its node stops (Flower 1.39); it never
+        touches the state, hence the bounded wait."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             busy = [c for _, c in dep.leftover_processes() if "flwr-clientapp" in c or "flwr-serverapp" in c]
@@ -325,6 +328,19 @@ class Suite:
                 return True
             time.sleep(0.5)
         return False
+
+    def ensure_online(self, dep: Deployment) -> None:
+        """Restart SuperNodes the SuperLink no longer lists as online (Flower 1.39: one INTERNAL error from a
+        locked SuperLink database can end a node's heartbeat thread while its process lives on)."""
+        try:
+            online = {r["node-id"] for r in dep.list_nodes() if r.get("status") == "online"}
+        except Exception as err:  # noqa: BLE001 - the CLI itself may time out on a loaded machine
+            say(f"could not list nodes ({err}); not checking")
+            return
+        for k in range(dep.num_nodes):
+            if dep.node_ids.get(k) not in online:
+                say(f"SuperNode {k} is not online at the SuperLink: restarting it")
+                dep.restart_node(k, timeout=300)
 
     def fresh_states(self, dep: Deployment) -> None:
         self.wait_idle(dep)
@@ -382,9 +398,18 @@ class Suite:
         if "error" in box:
             raise box["error"]
         result: RunResult = box["result"]
+        cli_early = 0
+        if result.run_id is not None and not result.status.startswith("finished"):
+            # `flwr run --stream` can exit while the run goes on (its log stream got an HTTP 500 from a locked
+            # SuperLink database): wait for the run itself, stop it at the run timeout -- never start the next
+            # run while this one can still touch the clients' state
+            cli_early = 1
+            say(f"run {label}: flwr CLI exited with the run still {result.status}; waiting for the run itself")
+            result = self._wait_finished(dep, result, deadline=t0 + (timeout or self.args.run_timeout))
         rec = _read_run(label, cfg, result, base_out)
         rec.max_load = max_load
         rec.infra = _scan_infra(window, result.log_path)
+        rec.infra["cli-stream-ended-early"] = cli_early
         run_log = result.log_path.read_text(errors="replace") if result.log_path.exists() else ""
         rec.fault_failures = [(int(r), c) for r, c in _FAULT_FAILURE.findall(run_log)]
         clean = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", run_log)
@@ -394,6 +419,22 @@ class Suite:
         say(f"run {label}: {result.status} in {time.monotonic() - t0:.0f}s, ledger {rec.ledger}, "
             f"rejections {len(rec.rejections)}" + ("" if rec.ok else f" -- {rec.describe_failure()}"))  # fmt: skip
         return rec, info
+
+    def _wait_finished(self, dep: Deployment, result: RunResult, deadline: float) -> RunResult:
+        status, info = result.status, dict(result.info)
+        stopped = False
+        while not status.startswith("finished"):
+            if time.monotonic() > deadline and not stopped:
+                say(f"run {result.run_id} still {status} at the run timeout: flwr stop")
+                dep.flwr("stop", str(result.run_id), dep.connection, check=False, timeout=120)
+                stopped, deadline = True, time.monotonic() + 120
+            elif stopped and time.monotonic() > deadline:
+                break
+            time.sleep(5)
+            with contextlib.suppress(Exception):
+                info = dep.run_info(result.run_id)
+                status = str(info.get("status", status))
+        return dataclasses.replace(result, status=status, details=str(info.get("status-details", "")), info=info)
 
     # ---------------------------------------------------------------------------------- analysis
     def analyse(
@@ -762,41 +803,52 @@ class Suite:
         byz_cid = dep.node_name(byz)
         cids = [dep.node_name(k) for k in range(n)]
         runs: dict[tuple[str, str], RunRecord] = {}
-        for attack in (None, *BYZ_ATTACKS):
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        # the honest plain-sum reference first, the honest robust reference last (fewest node restarts)
+        order = [(None, "sum"), *((a, g) for a in BYZ_ATTACKS for g in BYZ_AGGREGATORS), (None, "median")]
+        for attack, agg in order:
             self.set_fault(dep, byz, attack)
-            for agg in BYZ_AGGREGATORS:
-                label = f"byzantine-{attack or 'honest'}-{agg}".replace(":", "")
-                for attempt in range(self.args.retries + 1):
-                    self.fresh_states(dep)
-                    rec, _ = self.launch(dep, label, self.run_config(n, self.byz_rounds, aggregator=agg), self.out / label)
-                    if rec.ok or not any(rec.infra.values()) or attempt == self.args.retries:
-                        break
-                    say(f"{label}: infrastructure failure ({rec.describe_failure()}); retrying")
-                runs[(attack or "honest", agg)] = rec
-                honest_sum = [c for c in cids if c != byz_cid or attack is None] if agg == "sum" else None
-                analysis = self.analyse(
-                    dep, rec, reference=None, require_equal_to_reference=False,
-                    closed_form=(attack is None and agg == "sum"), honest_sum_clients=honest_sum,
-                    max_accepts={c: self.byz_rounds for c in cids},
-                )  # fmt: skip
-                ref_sum = runs.get(("honest", "sum"))
-                ref_same = runs.get(("honest", agg))
-                notes = []
-                if rec.ok:
-                    mu = _mean(rec)
-                    analysis["posterior-mean"] = mu.tolist()
-                    if ref_sum is not None and ref_sum.ok:
-                        analysis["mean-shift-vs-honest-sum"] = float(np.linalg.norm(mu - _mean(ref_sum)))
-                    if ref_same is not None and ref_same.ok:
-                        analysis["mean-shift-vs-honest-same-aggregator"] = float(np.linalg.norm(mu - _mean(ref_same)))
-                    byz_rej = [x for x in rec.rejections if x["client-id"] == byz_cid]
-                    if byz_rej:
-                        notes.append(f"{len(byz_rej)} reply(ies) of {byz_cid} rejected: {byz_rej[0]['reason'][:120]}")
-                    if rec.ledger != {c: self.byz_rounds for c in cids}:
-                        notes.append(f"ledger {rec.ledger}; failures not injected: {rec.other_failures or 'none'}")
-                faults = {attack: self.byz_rounds if rec.ok else 0} if attack else {}
-                status = "INFRA" if not rec.ok and any(rec.infra.values()) else None
-                self.record(label, faults, analysis, notes, status=status)
+            label = f"byzantine-{attack or 'honest'}-{agg}".replace(":", "")
+            for attempt in range(self.args.retries + 1):
+                self.ensure_online(dep)
+                self.fresh_states(dep)
+                rec, _ = self.launch(dep, label, self.run_config(n, self.byz_rounds, aggregator=agg), self.out / label)
+                if rec.ok or not any(rec.infra.values()) or attempt == self.args.retries:
+                    break
+                say(f"{label}: infrastructure failure ({rec.describe_failure()}); retrying")
+            key = (attack or "honest", agg)
+            runs[key] = rec
+            honest_sum = [c for c in cids if c != byz_cid or attack is None] if agg == "sum" else None
+            analysis = self.analyse(
+                dep, rec, reference=None, require_equal_to_reference=False,
+                closed_form=(attack is None and agg == "sum"), honest_sum_clients=honest_sum,
+                max_accepts={c: self.byz_rounds for c in cids},
+            )  # fmt: skip
+            notes = []
+            if rec.ok:
+                analysis["posterior-mean"] = _mean(rec).tolist()
+                byz_rej = [x for x in rec.rejections if x["client-id"] == byz_cid]
+                if byz_rej:
+                    notes.append(f"{len(byz_rej)} reply(ies) of {byz_cid} rejected: {byz_rej[0]['reason'][:120]}")
+                if rec.ledger != {c: self.byz_rounds for c in cids}:
+                    notes.append(f"ledger {rec.ledger}; failures not injected: {rec.other_failures or 'none'}")
+            faults = {attack: self.byz_rounds if rec.ok else 0} if attack else {}
+            status = "INFRA" if not rec.ok and any(rec.infra.values()) else None
+            rows[key] = self.record(label, faults, analysis, notes, status=status)
+            self._fill_shifts(runs, rows)
+
+    def _fill_shifts(self, runs: dict[tuple[str, str], RunRecord], rows: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """Posterior-mean shift of every Byzantine run from the honest runs (plain sum; same aggregator)."""
+        for (attack, agg), row in rows.items():
+            if "posterior-mean" not in row:
+                continue
+            mu = np.asarray(row["posterior-mean"])
+            for ref_key, field in (((("honest", "sum")), "mean-shift-vs-honest-sum"),
+                                   ((("honest", agg)), "mean-shift-vs-honest-same-aggregator")):  # fmt: skip
+                ref = rows.get(ref_key)
+                if ref is not None and "posterior-mean" in ref:
+                    row[field] = float(np.linalg.norm(mu - np.asarray(ref["posterior-mean"])))
+        self.write()
 
     # ---------------------------------------------------------------------------------- main
     def run(self, selected: Sequence[str]) -> int:
@@ -861,6 +913,23 @@ def render_table(results: list[dict[str, Any]]) -> str:
             f"| {bad} | {_fmt(r.get('diff-vs-fault-free'))} | {_fmt(r.get('diff-vs-closed-form'))} "
             f"| {_fmt(r.get('client-vs-ledger'))} | {ledger or '-'} |"
         )
+    final = list({r["scenario"]: r for r in results}.values())  # the last attempt of each scenario
+    kinds: dict[str, list[int]] = {}
+    for r in final:
+        for kind, n in r.get("faults", {}).items():
+            k = kinds.setdefault(kind, [0, 0, 0, 0, 0])
+            k[0] += n
+            k[1] += int(r.get("updates-lost") or 0)
+            k[2] += int(r.get("double-applied") or 0)
+            if kind in INVALID_KINDS:  # rejections observed in the planned (client, round)s / planned
+                plan = REPLY_PLANS.get(r["scenario"], {})
+                k[3] += n
+                k[4] += sum(len(spec.split("@")[1].split(",")) for spec in plan.values() if spec.split("@")[0] == kind)
+    if kinds:
+        lines += ["", "| fault kind | injected | updates lost (runs with it) | double-applied (runs with it) "
+                  "| bad rejected/sent |", "|---|---|---|---|---|"]  # fmt: skip
+        for kind, (n, lost, double, rej, sent) in kinds.items():
+            lines.append(f"| {kind} | {n} | {lost} | {double} | {f'{rej}/{sent}' if sent else '-'} |")
     byz = [r for r in results if r["scenario"].startswith("byzantine-") and "posterior-mean" in r]
     if byz:
         lines += ["", "| Byzantine run | posterior mean | shift vs honest (sum) | shift vs honest (same aggregator) |",
