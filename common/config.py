@@ -97,6 +97,12 @@ class RunConfig(BaseModel):
 
     # ---- evaluation / output -------------------------------------------------------------------
     eval_samples: int = Field(200, ge=1)
+    # ---- baseline: FedAvg with a deterministic MLP of the same architecture (client/fedavg_app.py) -----------
+    fedavg_lr: float = Field(0.1, gt=0, description="FedAvg client SGD learning rate")
+    fedavg_momentum: float = Field(0.9, ge=0, lt=1)
+    fedavg_weight_decay: float = Field(5e-4, ge=0)
+    fedavg_local_epochs: int = Field(10, ge=1)
+    fedavg_batch_size: int = Field(100, ge=1)
     evaluate_clients: bool = True
     output_dir: str = "outputs"
     checkpoint: bool = Field(True, description="write the server state after every applied update")

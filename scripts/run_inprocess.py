@@ -4,6 +4,7 @@ Usage:
     python scripts/run_inprocess.py [-c key=value ...] [--out runs/inprocess]
 
 Same strategy, same client code and same records as a Flower run; the fastest way to try a configuration.
+``--method fedavg`` runs the FedAvg baseline (Flower's ``FedAvg`` + ``client/fedavg_app.py``) instead.
 """
 
 from __future__ import annotations
@@ -37,12 +38,24 @@ def run(raw: dict, out: Path):
     return run_strategy(grid, cfg, problem, out)
 
 
+def run_fedavg_baseline(raw: dict, out: Path):
+    from client.fedavg_app import app as fedavg_client_app
+    from common.problem import load_full_data
+    from strategies.fedavg_baseline import run_fedavg
+
+    cfg, _ = prepare(raw)
+    nodes = [{"partition-id": m, "num-partitions": cfg.num_clients} for m in range(cfg.num_clients)]
+    grid = InProcessGrid(fedavg_client_app, nodes, raw)
+    return run_fedavg(grid, cfg, load_full_data(cfg), out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "inprocess")
+    ap.add_argument("--method", choices=("pgvi", "fedavg"), default="pgvi")
     args = ap.parse_args()
-    run(load_run_config(args.config), args.out)
+    (run_fedavg_baseline if args.method == "fedavg" else run)(load_run_config(args.config), args.out)
 
 
 if __name__ == "__main__":

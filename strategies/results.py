@@ -57,13 +57,16 @@ class RoundRecorder:
         log(INFO, "PGVI | " + " ".join(cells))
 
     def finish(self, posterior: GaussianFactor, sites: dict[str, GaussianFactor], extra: dict) -> None:
+        self.write_csv()
+        np.savez(self.out_dir / "posterior.npz", **posterior.to_numpy())
+        ledger = {f"{cid}|{k}": v for cid, s in sites.items() for k, v in s.to_numpy().items()}
+        np.savez(self.out_dir / "sites.npz", **ledger)
+        (self.out_dir / "summary.json").write_text(json.dumps(extra, indent=2, default=str))
+
+    def write_csv(self) -> None:
         keys = sorted({k for r in self.rows for k in r}, key=lambda k: (k != "round", k))
         with (self.out_dir / "metrics.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             for r in self.rows:
                 w.writerow(r)
-        np.savez(self.out_dir / "posterior.npz", **posterior.to_numpy())
-        ledger = {f"{cid}|{k}": v for cid, s in sites.items() for k, v in s.to_numpy().items()}
-        np.savez(self.out_dir / "sites.npz", **ledger)
-        (self.out_dir / "summary.json").write_text(json.dumps(extra, indent=2, default=str))

@@ -1,0 +1,60 @@
+"""FedAvg baseline ClientApp: a deterministic MLP with the BNN's architecture, trained with local SGD.
+
+Same run config, same data path (``common.problem.client_shard``: partitioner, label noise) and same
+node config (``partition-id``, ``torch-threads``) as the PGVI ClientApp, so the baseline differs from
+PVI/FedGVI only in the method.  Served by Flower's own ``FedAvg`` strategy (``server/fedavg_app.py``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from common.config import RunConfig, parse_run_config
+from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_probs, sgd_epochs
+from common.metrics import classification_metrics
+from common.problem import ArraysSplit, client_shard
+
+app = ClientApp()
+
+
+@lru_cache(maxsize=8)
+def _shard(cfg: RunConfig, partition_id: int) -> ArraysSplit:
+    return client_shard(cfg, partition_id)
+
+
+def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit, DeterministicMLP]:
+    cfg = parse_run_config(dict(context.run_config))
+    nc = context.node_config
+    partition_id = int(nc.get("partition-id", 0))
+    torch.set_num_threads(int(nc.get("torch-threads", cfg.torch_threads or 1)))
+    shard = _shard(cfg, partition_id)
+    if shard.num_classes < 2:
+        raise ValueError("the FedAvg baseline needs a classification dataset")
+    model = DeterministicMLP(shard.x_train.shape[1], cfg.hidden_sizes, shard.num_classes)
+    model.set_arrays({k: v.numpy() for k, v in msg.content["arrays"].to_torch_state_dict().items()})
+    return cfg, partition_id, shard, model
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg, partition_id, shard, model = _setup(msg, context)
+    rnd = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0  # set by FedAvg
+    sgd = SGDConfig(lr=cfg.fedavg_lr, momentum=cfg.fedavg_momentum, weight_decay=cfg.fedavg_weight_decay,
+                    epochs=cfg.fedavg_local_epochs, batch_size=cfg.fedavg_batch_size,
+                    seed=cfg.seed * 100_003 + partition_id * 1_009 + rnd)
+    trace = sgd_epochs(model, shard.x_train, shard.y_train, sgd)
+    metrics = MetricRecord({"num-examples": len(shard.y_train), "train-loss": trace[-1]})
+    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    _, _, shard, model = _setup(msg, context)
+    out = {"num-examples": float(len(shard.y_test))}
+    if len(shard.y_test):
+        out.update(classification_metrics(predict_probs(model, shard.x_test), shard.y_test))
+    return Message(RecordDict({"metrics": MetricRecord(out)}), reply_to=msg)

@@ -1,0 +1,116 @@
+"""The FedAvg baseline's model: a deterministic ReLU MLP with the BNN's architecture and parameter names.
+
+``DeterministicMLP`` has one point estimate per weight where :class:`common.models.BayesianMLP` has a
+mean-field Gaussian; its parameters are named ``layers.{i}.weight`` / ``layers.{i}.bias`` with the same
+shapes, so the two are directly comparable.  :func:`sgd_epochs` is the client's local training (SGD with
+momentum and weight decay, the FedAvg settings of the FedGVI paper), :func:`predict_probs` its softmax
+predictions for the same metrics (``common.metrics``) as the Bayesian models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+
+class DeterministicMLP(nn.Module):
+    """``in_features -> hidden[0] -> ... -> num_classes`` with ReLU; PyTorch's default Linear initialisation."""
+
+    def __init__(self, in_features: int, hidden: Sequence[int], num_classes: int) -> None:
+        super().__init__()
+        if in_features < 1 or num_classes < 2 or any(h < 1 for h in hidden):
+            raise ValueError(
+                f"DeterministicMLP needs in_features >= 1, hidden sizes >= 1 and num_classes >= 2, got "
+                f"{in_features}, {list(hidden)}, {num_classes}"
+            )
+        sizes = [in_features, *hidden, num_classes]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+    def get_arrays(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
+
+    def set_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        own = self.state_dict()
+        if set(arrays) != set(own):
+            raise ValueError(f"parameter names differ: got {sorted(arrays)}, expected {sorted(own)}")
+        for k, v in arrays.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"'{k}' has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+            if not np.all(np.isfinite(v)):
+                raise ValueError(f"'{k}' has non-finite entries")
+        self.load_state_dict({k: torch.as_tensor(np.asarray(v), dtype=own[k].dtype) for k, v in arrays.items()})
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    epochs: int = 10
+    batch_size: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"SGDConfig.lr must be finite and > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"SGDConfig.momentum must be in [0, 1), got {self.momentum}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"SGDConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"SGDConfig needs epochs >= 1 and batch_size >= 1, got {self.epochs}, {self.batch_size}")
+
+
+def sgd_epochs(model: DeterministicMLP, x: np.ndarray, y: np.ndarray, config: SGDConfig) -> list[float]:
+    """Train in place with mini-batch SGD on the mean cross-entropy; returns the mean loss of each epoch.
+
+    A fresh optimiser per call (FedAvg clients keep no momentum between rounds); shuffling is seeded.
+    Raises ``FloatingPointError`` if the loss becomes non-finite (a diverged client must not send NaNs).
+    """
+    if len(x) == 0:
+        raise ValueError("sgd_epochs: no training data")
+    xt = torch.as_tensor(x, dtype=torch.float32)
+    yt = torch.as_tensor(y, dtype=torch.long)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                          weight_decay=config.weight_decay)
+    gen = torch.Generator().manual_seed(config.seed)
+    model.train()
+    trace = []
+    for epoch in range(config.epochs):
+        perm = torch.randperm(len(xt), generator=gen)
+        total = 0.0
+        for start in range(0, len(xt), config.batch_size):
+            idx = perm[start : start + config.batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(xt[idx]), yt[idx])
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+        mean = total / len(xt)
+        if not math.isfinite(mean):
+            raise FloatingPointError(f"sgd_epochs: the training loss became {mean} in epoch {epoch + 1}")
+        trace.append(mean)
+    return trace
+
+
+def predict_probs(model: DeterministicMLP, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
+    """Softmax class probabilities, shape ``(N, num_classes)``, float64."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = torch.as_tensor(x[start : start + batch_size], dtype=torch.float32)
+            out.append(torch.softmax(model(xb).double(), dim=-1).numpy())
+    return np.concatenate(out) if out else np.zeros((0, 0))

@@ -1,0 +1,68 @@
+"""The experiment runner: every planned run has a valid config, and the report's best/final statistics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from common.config import parse_run_config
+from scripts import experiments as E
+
+
+def test_every_planned_run_is_a_valid_run_config_with_the_method_settings():
+    runs = E.fmnist_noise_runs(list(E.METHODS), [0.0, 0.4], [0, 1]) + E.fmnist_noniid_runs(
+        ["fedgvi", "fedavg"], ["synchronous", "sequential", "asynchronous"], [0], rounds=5)
+    assert len({r.name for r in runs}) == len(runs)
+    for r in runs:
+        cfg = parse_run_config(r.config)  # raises on any invalid key or value
+        assert cfg.dataset == "fashion_mnist" and cfg.hidden_sizes == [200]
+        if r.method == "pvi":
+            assert (cfg.loss, cfg.divergence) == ("nll", "kl")
+        if r.method == "fedgvi":
+            assert (cfg.loss, cfg.loss_delta, cfg.divergence, cfg.divergence_alpha) == ("gce", 0.8, "alpha_renyi", 2.5)
+        if r.experiment == "fmnist_noniid":
+            assert (cfg.num_clients, cfg.partitioner, cfg.dirichlet_alpha) == (10, "dirichlet", 0.3)
+    # FedAvg has only the synchronous schedule
+    assert {r.tags["schedule"] for r in runs if r.method == "fedavg" and r.experiment == "fmnist_noniid"} == {"synchronous"}
+
+
+def _fake_run(root, name, method, noise, seed, accs, eces):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "run_config.json").write_text(json.dumps({"label-noise": noise, "seed": seed, "schedule": "synchronous",
+                                                   **({"method": "fedavg"} if method == "fedavg" else {})}))
+    rows = [{"round": 0.0, "test-accuracy": 0.1, "test-nll": 2.3, "test-ece": 0.0, "test-brier": 0.9}]
+    for i, (a, e) in enumerate(zip(accs, eces), start=1):
+        rows.append({"round": float(i), "test-accuracy": a, "test-nll": 1.0 / i, "test-ece": e, "test-brier": 0.3,
+                     "client-seconds-mean": 2.0 * i})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (d / "summary.json").write_text(json.dumps({"wall-seconds": 12.0}))
+    return d
+
+
+def test_summarise_reports_best_over_rounds_and_final_round_separately(tmp_path):
+    d = _fake_run(tmp_path, "fedgvi-noise40-seed0", "fedgvi", 0.4, 0, [0.80, 0.86, 0.84], [0.05, 0.02, 0.03])
+    s = E.summarise(d)
+    assert s["method"] == "fedgvi" and s["noise"] == 0.4 and s["rounds"] == 3
+    assert s["best-accuracy"] == 0.86 and s["final-accuracy"] == 0.84  # round 0 (the prior) is not a candidate
+    assert s["best-ece"] == 0.02 and s["final-ece"] == 0.03 and s["final-nll"] == pytest.approx(1 / 3)
+    assert s["client-seconds-per-round"] == pytest.approx(4.0)
+    (d / "summary.json").unlink()
+    assert E.summarise(d) is None  # an unfinished run is not reported
+
+
+def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    monkeypatch.setattr(E, "_plot_reliability", lambda *a: None)  # needs real posteriors
+    for seed, final in enumerate([0.80, 0.84, 0.88]):
+        _fake_run(tmp_path, f"pvi-noise40-seed{seed}", "pvi", 0.4, seed, [0.5, final], [0.1, 0.1])
+    _fake_run(tmp_path, "fedavg-noise40-seed0", "fedavg", 0.4, 0, [0.6, 0.5], [0.2, 0.3])
+    text = E.report_fmnist_noise(tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| PVI | acc final"))
+    assert f"{84.0:.2f} ± {np.std([80, 84, 88], ddof=1):.2f} (3 seeds)" in row
+    assert "| FedAvg | acc best | 60.00 (1 seed) |" in text
+    assert "| PVI | published (best) | 82.81 |" in text
+    assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 4
+    assert (tmp_path / "img" / "fmnist_noise40_curves.png").stat().st_size > 1000
