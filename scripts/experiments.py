@@ -1,10 +1,10 @@
 """Experiment runner: the Fashion-MNIST experiments of issue 5, every method through the same data path.
 
 Usage:
-    python scripts/experiments.py fmnist-noise  [--methods ...] [--noise ...] [--seeds ...]   # runs + report
-    python scripts/experiments.py fmnist-noniid [--schedules ...] [--seeds ...]
-    python scripts/experiments.py report                                                    # tables + plots only
-    python scripts/experiments.py plan fmnist-noise                                         # list the runs
+    python scripts/experiments.py fmnist-noise  [--methods ...] [--noise ...] [--seeds ...] [--dry-run]
+    python scripts/experiments.py fmnist-noniid [--schedules ...] [--seeds ...] [--rounds N] [--dry-run]
+    python scripts/experiments.py report        # tables (markdown, CSV, JSON) and plots of the finished runs
+    bash scripts/run_experiments.sh             # every run of docs/RESULTS.md in two lanes, then the report
 
 Each run is one ``scripts/run_inprocess.py`` process (the real PGVI strategy and ClientApp, or Flower's
 ``FedAvg`` with the deterministic-MLP ClientApp) writing ``metrics.jsonl`` / ``summary.json`` into
@@ -48,7 +48,7 @@ FMNIST_BASE: dict[str, object] = {
     "num-clients": 3, "min-clients": 3, "partitioner": "iid", "label-noise-kind": "random",
     "num-server-rounds": 25, "damping": "auto", "schedule": "synchronous",
     "local-epochs": 3, "patience": 1, "batch-size": 256, "lr": 0.001, "lr-scale": 0.001, "mc-samples": 10,
-    "eval-samples": 100, "evaluate-clients": False, "checkpoint": False, "torch-threads": 2,
+    "eval-samples": 100, "evaluate-clients": False, "checkpoint": False, "torch-threads": 1,
     "fedavg-lr": 0.1, "fedavg-momentum": 0.9, "fedavg-weight-decay": 5e-4, "fedavg-local-epochs": 10,
     "fedavg-batch-size": 100,
 }
@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         for run in runs:
             run.config.update(extra)
             execute(run, dry_run=args.dry_run)
-        if args.dry_run:
-            return
+        return  # several lanes may run at once: only `report` writes the tables and plots
     print(report_fmnist_noise(RUNS / "fmnist_noise"))
     print(report_fmnist_noniid(RUNS / "fmnist_noniid"))
 
