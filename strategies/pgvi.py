@@ -16,6 +16,12 @@ the ledger's version of the client's site, keeps the posterior proper, and (asyn
 Otherwise it is rejected with a logged reason, counted in the round's metrics, and the state is unchanged;
 the client then rolls its pending site back (see ``common.client_state``).  A client that fails or times out
 keeps its old site and the run continues.
+
+Runtime API calls (push/pull) that fail transiently (HTTP 5xx, 408, 429, a dropped connection, an expired
+object-push session) are retried with a short backoff until the round deadline; only then are the messages
+treated as failed.  A push is retried with the *same* ``Message`` objects: their id is the content hash, so the
+SuperLink stores (and delivers) at most one copy even if the failed attempt was stored; a message that is
+nonetheless executed twice yields two Deltas against the same site version, and the ledger applies one.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
+from typing import TypeVar
 
+import httpx
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
+from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPushError
 
 from common import protocol as P
 from common.aggregation import make_aggregator
@@ -42,6 +51,17 @@ from strategies.checkpoint import load_checkpoint, save_checkpoint
 from strategies.codec import factor_to_record, record_to_factor
 
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
+T = TypeVar("T")
+_RETRY_BACKOFF_MAX = 5.0  # seconds between two attempts of a failing Runtime API call, at most
+
+
+def _is_transient(err: BaseException) -> bool:
+    """A Runtime API error worth retrying: HTTP 5xx/408/429, a lost connection, an expired object session."""
+    if isinstance(err, httpx.HTTPStatusError):
+        code = err.response.status_code
+        return code >= 500 or code in (408, 429)
+    return isinstance(err, (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError,
+                            ObjectPushError, ObjectPullError))
 
 
 def _last_line(text: str | None, limit: int = 300) -> str:
@@ -118,6 +138,7 @@ class PGVIStrategy(Strategy):
         poll_interval: float = 0.2,
         checkpoint_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
+        retry_backoff: float = 0.5,
     ) -> None:
         self.problem = problem
         self.cfg = problem.cfg
@@ -129,6 +150,7 @@ class PGVIStrategy(Strategy):
         self.server_evaluate = server_evaluate
         self.on_round_end = on_round_end
         self.poll_interval = poll_interval
+        self.retry_backoff = retry_backoff  # first wait after a transient Runtime API error (doubles per retry)
         self.rng = random.Random(self.cfg.seed)
         self.rho = self.cfg.rho()
         self._posterior_record: tuple[int, ArrayRecord] | None = None
@@ -207,6 +229,9 @@ class PGVIStrategy(Strategy):
             load_checkpoint(self, self.resume_from)
             log(INFO, "resumed from %s after round %d (posterior version %d)", self.resume_from,
                 self.round_completed, self.state.version)
+            if self.on_round_end is not None:  # this run's records hold every round, the resumed ones included
+                for row in self.history:
+                    self.on_round_end(int(row["round"]), row)
         self._wait_for_clients(grid)
         result = Result()
         t0 = time.time()
@@ -221,9 +246,9 @@ class PGVIStrategy(Strategy):
                     self._round_synchronous(grid, rnd, timeout, stats)
                 else:
                     self._round_sequential(grid, rnd, timeout, stats)
-                self._end_round(rnd)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 self._record_round(rnd, stats, grid, result, do_client_eval=True)
+                self._end_round(rnd)  # after the row: the checkpoint of round rnd holds its history row
                 self._check_progress(rnd, stats)
         result.arrays = self._current_record()
         log(INFO, "PGVI finished in %.2fs: %d updates applied, %d rejected", time.time() - t0,
@@ -288,11 +313,20 @@ class PGVIStrategy(Strategy):
             free = [n for n in self._sample_nodes(grid, fraction=1.0) if n not in busy]
             if free:
                 msgs = [self._train_message(n, rnd) for n in free]
-                for mid, msg in zip(grid.push_messages(msgs), msgs):
+                mids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)),
+                                     min(deadline, time.time() + timeout))
+                if mids is None:
+                    stats.failed += len(msgs)
+                    log(WARNING, "round %d: %d message(s) could not be pushed; those clients keep their old sites", rnd, len(msgs))
+                for mid, msg in zip(mids or [], msgs):
                     inflight[mid] = (msg.metadata.dst_node_id, time.time(), self.state.version)
                     busy.add(msg.metadata.dst_node_id)
                 stats.sent += len(msgs)
-            replies = list(grid.pull_messages(list(inflight))) if inflight else []
+            replies = []
+            if inflight:
+                replies = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(inflight))),
+                                        min(deadline, time.time() + timeout)) or []
+                self._attribute(replies, {mid: v[0] for mid, v in inflight.items()})
             for reply in replies:
                 node, _, sent_version = inflight.pop(reply.metadata.reply_to_message_id,
                                                      (reply.metadata.src_node_id, 0.0, -1))
@@ -315,16 +349,16 @@ class PGVIStrategy(Strategy):
                     stats.failed += 1
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
             if stats.applied + stats.rejected + stats.failed >= per_round:
-                self._end_round(rnd)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 self._record_round(rnd, stats, grid, result, do_client_eval=False)
+                self._end_round(rnd)
                 self._check_progress(rnd, stats)
                 rnd, stats = rnd + 1, RoundStats()
             elif not replies:
                 time.sleep(self.poll_interval)
         # let in-flight replies arrive so that no client is left with an unresolved pending update
         if inflight:
-            late = self._collect(grid, set(inflight), min(timeout, 5.0))
+            late = self._collect(grid, {mid: v[0] for mid, v in inflight.items()}, min(timeout, 5.0))
             for reply in late:
                 for d in self._decode_replies(rnd, [reply], RoundStats()):
                     self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
@@ -426,11 +460,49 @@ class PGVIStrategy(Strategy):
             content[P.SITE] = factor_to_record(self.state.site(cid))
         return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
 
-    def _collect(self, grid: Grid, ids: set[str], timeout: float) -> list[Message]:
+    def _runtime(self, what: str, call: Callable[[], T], deadline: float) -> T | None:
+        """``call()``, retrying transient Runtime API errors with a backoff until ``deadline`` (then ``None``).
+
+        Any other error (HTTP 4xx, a programming error) propagates.  A retried push re-sends the same
+        ``Message`` objects (same content-hash ids), so the SuperLink keeps one copy of each.
+        """
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except Exception as err:
+                if not _is_transient(err):
+                    raise
+                attempt += 1
+                reason = f"{type(err).__name__}: {_last_line(str(err))}"
+                remaining = deadline - time.time()
+                if remaining <= 0:
+                    self._last_failure = f"Runtime API {what} kept failing until the round deadline ({reason})"
+                    log(WARNING, "Runtime API %s failed (%s); giving up after %d attempt(s) at the round deadline",
+                        what, reason, attempt)
+                    return None
+                wait = min(self.retry_backoff * 2 ** (attempt - 1), _RETRY_BACKOFF_MAX, remaining)
+                log(WARNING, "Runtime API %s failed (%s); retry %d in %.2fs", what, reason, attempt, wait)
+                time.sleep(wait)
+
+    @staticmethod
+    def _attribute(replies: Iterable[Message], sent_to: dict[str, int]) -> None:
+        """Error replies the SuperLink generates carry its own node id: credit them to the request's node."""
+        for m in replies:
+            dst = sent_to.get(m.metadata.reply_to_message_id)
+            if m.has_error() and dst is not None and m.metadata.src_node_id != dst:
+                m.metadata.__dict__["_src_node_id"] = dst
+
+    def _collect(self, grid: Grid, sent_to: dict[str, int], timeout: float) -> list[Message]:
+        """Pull the replies to the messages ``sent_to`` (message id -> node id) until all arrived or ``timeout``."""
+        ids = set(sent_to)
         out: list[Message] = []
         end = time.time() + timeout
         while ids and time.time() < end:
-            got = list(grid.pull_messages(list(ids)))
+            got = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(ids))), end)
+            if got is None:
+                break
+            self._attribute(got, sent_to)
             out.extend(got)
             ids.difference_update(m.metadata.reply_to_message_id for m in got)
             if ids and not got:
@@ -438,10 +510,17 @@ class PGVIStrategy(Strategy):
         return out
 
     def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float) -> list[Message]:
-        """Like ``Grid.send_and_receive`` but polling every ``poll_interval`` s (the HTTP grid polls every 3 s)."""
+        """Like ``Grid.send_and_receive`` but polling every ``poll_interval`` s (the HTTP grid polls every 3 s).
+
+        Pushing and pulling share the ``timeout``; messages that could not be pushed in time get no reply.
+        """
         if not msgs:
             return []
-        return self._collect(grid, set(grid.push_messages(msgs)), timeout)
+        end = time.time() + timeout
+        ids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)), end)
+        if ids is None:
+            return []
+        return self._collect(grid, {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs)}, end - time.time())
 
     # =============================================================================================
     # validating and applying replies
@@ -465,8 +544,9 @@ class PGVIStrategy(Strategy):
             cid = self.node_client.get(node, f"<node {node}>")
             if msg.has_error():
                 stats.failed += 1
-                self._last_failure = _last_line(msg.error.reason)
-                log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, self._last_failure)
+                reason = _last_line(msg.error.reason)
+                self._last_failure = f"client '{cid}': {reason}"
+                log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, reason)
                 continue
             stats.replied += 1
             if node not in self.node_client:  # not a client we sent work to: count it, keep no state for it
