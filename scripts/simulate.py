@@ -125,6 +125,18 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
+def pick_run(runs: list[dict], log_text: str) -> dict:
+    """This invocation's entry of ``flwr ls``: the run whose log stream the log shows.
+
+    FLWR_HOME (and its SuperLink database) persists between invocations, so ``flwr ls`` also lists earlier
+    runs, in no guaranteed order.  Without a run id in the log, the only run listed (or ``{}``).
+    """
+    started = re.findall(r"Starting logstream for run_id `(\d+)`", log_text)
+    if started:
+        return next((r for r in runs if str(r.get("run-id")) == started[-1]), {})
+    return runs[0] if len(runs) == 1 else {}
+
+
 def run_simulation(
     run_config: dict,
     num_supernodes: int,
@@ -166,7 +178,7 @@ def run_simulation(
         stop_local_superlink(http_port, home)
     seconds = time.time() - t0
     runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
-    run = runs[-1] if runs else {}
+    run = pick_run(runs, Path(log_path).read_text(errors="replace"))
     run_id = str(run.get("run-id", ""))
     out_dir = out_root / f"run-{run_id}" if run_id else None
     return {"status": run.get("status", "unknown"), "status-details": run.get("status-details", ""), "run_id": run_id,

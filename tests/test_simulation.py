@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.config import parse_run_config
-from scripts.simulate import run_simulation
+from scripts.simulate import pick_run, run_simulation
 from strategies.reference import expected_posterior, max_natural_diff
 from tests.test_inprocess import BASE, run
 
@@ -38,3 +38,14 @@ def test_simulation_matches_inprocess_and_closed_form(case, tmp_path):
     if raw.get("sm-weight", "constant") == "constant" or raw.get("loss", "nll") == "nll":
         expected = expected_posterior(parse_run_config(raw), summary["ledger-versions"])
         assert max_natural_diff(strategy.state.posterior.from_numpy(post), expected) < 1e-6
+
+
+def test_pick_run_takes_this_invocations_run_not_an_earlier_one():
+    earlier = {"run-id": "570153098676490552", "status": "finished:failed"}
+    mine = {"run-id": "3831847892416236757", "status": "finished:completed"}
+    log = "INFO :      Starting logstream for run_id `3831847892416236757`\n..."
+    assert pick_run([mine, earlier], log) == mine
+    assert pick_run([earlier, mine], log) == mine
+    assert pick_run([earlier], log) == {}  # our run is not listed: unknown, never somebody else's status
+    assert pick_run([earlier], "no run id") == earlier
+    assert pick_run([earlier, mine], "no run id") == {}
