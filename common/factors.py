@@ -125,6 +125,27 @@ class PGVIServerState:
         self.version += 1
         return posterior
 
+    def remove_site(self, client_id: str) -> GaussianFactor:
+        """Divide a client's site out of the global approximation (``l_s -= l_m``) and reset it to uniform.
+
+        Atomic like :meth:`apply`: if the posterior without the site would be improper, :class:`UpdateRejected`
+        is raised and nothing changes.  Counts as an applied batch (``version`` advances).
+        """
+        assert self.global_site is not None and self.posterior is not None
+        site = self.sites.get(client_id)
+        if site is None:
+            return self.posterior
+        global_site = self.global_site / site
+        try:
+            posterior = self.server_step(self.prior, global_site).check_proper("server posterior")
+        except PGVIError as err:
+            raise UpdateRejected(client_id, f"removing its site: {err}") from err
+        self.sites[client_id] = self.prior.zeros_like()
+        self.global_site = global_site
+        self.posterior = posterior
+        self.version += 1
+        return posterior
+
     def check_invariant(self, atol: float = 1e-8) -> float:
         """max |eta(global_site) - eta(prod sites)|: must be ~0 at all times (l_s = sum_m l_m)."""
         assert self.global_site is not None

@@ -56,6 +56,7 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
         "done-in-round": sorted(strategy.done_in_round),
         "rng": repr(strategy.rng.getstate()),
         "rejections": strategy.rejections,
+        "bad-replies": strategy.bad_replies,
         "history": strategy.history,
     }
     return atomic_save_npz(Path(directory) / CHECKPOINT_FILE, arrays, meta)
@@ -92,6 +93,7 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     strategy.done_in_round = set(meta["done-in-round"])
     strategy.rng.setstate(ast.literal_eval(meta["rng"]))
     strategy.rejections = list(meta["rejections"])
+    strategy.bad_replies = {k: int(v) for k, v in meta.get("bad-replies", {}).items()}  # exclusions survive a resume
     strategy.history = list(meta["history"])
     strategy._posterior_record = None
     if st.check_invariant() > 1e-6 * max(1.0, max(float(v.abs().max()) for v in st.global_site.params.values())):

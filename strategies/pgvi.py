@@ -535,6 +535,25 @@ class PGVIStrategy(Strategy):
             limit = self.cfg.max_bad_replies
             if limit and self.bad_replies[client_id] == limit:
                 log(WARNING, "client '%s' sent %d bad replies: excluded from the rest of the run", client_id, limit)
+                if self.cfg.exclusion_removes_site:
+                    self._remove_site(client_id)
+
+    def _remove_site(self, client_id: str) -> None:
+        """Divide an excluded client's site out of the posterior: its earlier, accepted updates came from the
+        same client and are no longer trusted.  Its ledger version returns to 0 (the uniform site), so were it
+        ever contacted again it would be resynchronised to that."""
+        if self.ledger_versions.get(client_id, 0) == 0:
+            return
+        try:
+            self.state.remove_site(client_id)
+        except UpdateRejected as err:
+            log(WARNING, "client '%s': its site stays in the posterior: %s", client_id, err.reason)
+            return
+        log(WARNING, "client '%s': its site (%d applied updates) was divided out of the posterior", client_id,
+            self.ledger_versions[client_id])
+        self.ledger_versions[client_id] = 0
+        self.resync.add(client_id)
+        self._checkpoint()
 
     def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats) -> list[Reply]:
         out: list[Reply] = []

@@ -338,3 +338,37 @@ def test_log_opinion_pool_density_is_normalised_geometric_mean():
     geo = geo / torch.trapezoid(geo, x)
     assert_close(torch.exp(state.posterior.log_prob(xs)), geo, rtol=1e-7, atol=1e-10)
     assert math.isclose(float(torch.trapezoid(geo, x)), 1.0)
+
+
+def test_remove_site_divides_it_out_exactly():
+    g = gen(11)
+    state = PGVIServerState(prior=prior_of("mf"))
+    like = state.prior
+    sites = {}
+    for cid in "abc":  # sites with positive precision: any of them can be removed
+        sites[cid] = MeanFieldGaussian(
+            {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in like.eta1.items()},
+            {k: -torch.rand(v.shape, generator=g, dtype=v.dtype) for k, v in like.eta2.items()})
+    state.apply({"a": sites["a"], "b": sites["b"]})
+    state.apply({"c": sites["c"], "a": sites["a"]})
+    version = state.version
+    post = state.remove_site("a")
+    assert post.max_abs_diff(state.prior * sites["b"] * sites["c"]) < 1e-10
+    assert max(abs(v).max() for v in state.sites["a"].to_numpy().values()) == 0.0
+    assert state.check_invariant() < 1e-10 and state.version == version + 1
+    assert state.remove_site("never-seen") is state.posterior and state.version == version + 1
+
+
+def test_remove_site_that_would_leave_an_improper_posterior_changes_nothing():
+    state = PGVIServerState(prior=prior_of("mf"))
+    # 'a' carries precision that 'b' (negative precision) relies on: without 'a' the posterior is improper
+    a = state.prior.zeros_like()
+    a = MeanFieldGaussian({k: torch.zeros_like(v) for k, v in a.eta1.items()},
+                          {k: torch.full_like(v, -5.0) for k, v in a.eta2.items()})
+    b = MeanFieldGaussian({k: torch.zeros_like(v) for k, v in a.eta1.items()},
+                          {k: torch.full_like(v, 2.0) for k, v in a.eta2.items()})
+    state.apply({"a": a, "b": b})
+    before = (state.posterior, state.global_site, dict(state.sites), state.version)
+    with pytest.raises(UpdateRejected, match="removing its site"):
+        state.remove_site("a")
+    assert (state.posterior, state.global_site, dict(state.sites), state.version) == before

@@ -103,3 +103,30 @@ def test_a_client_that_keeps_sending_bad_replies_is_excluded():
     assert [r["round"] for r in strategy.rejections] == [1, 2]
     assert strategy.ledger_versions == {"site-0": 5, "site-1": 0, "site-2": 5}
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+def test_an_excluded_clients_site_is_divided_out_of_the_posterior():
+    # site-1 contributes in round 1, then sends NaN in rounds 2 and 3 and is excluded after the second
+    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": "nan@2,3"} if m == 1 else {})} for m in range(3)]
+    grid = InProcessGrid(client_app, nodes, raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    assert [(r["round"], r["client-id"]) for r in strategy.rejections] == [(2, "site-1"), (3, "site-1")]
+    assert strategy.ledger_versions == {"site-0": 4, "site-1": 0, "site-2": 4}
+    assert max(abs(v).max() for v in strategy.state.sites["site-1"].to_numpy().values()) == 0.0
+    assert strategy.state.check_invariant() < 1e-10
+    # the posterior is exactly prior x the two honest clients' sites: site-1's round-1 update is gone
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+def test_exclusion_can_keep_the_site():
+    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2, "exclusion-removes-site": False}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": "nan@2,3"} if m == 1 else {})} for m in range(3)]
+    grid = InProcessGrid(client_app, nodes, raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    assert strategy.ledger_versions == {"site-0": 4, "site-1": 1, "site-2": 4}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
