@@ -447,7 +447,8 @@ class BayesianMLP(LikelihoodModel):
         self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None
     ) -> Tensor:
         """``E_q[softmax(f_theta(x))]``, shape ``(B, C)``, by the local reparameterisation (exact per point,
-        see the class docstring), in chunks of samples to bound memory."""
+        see the class docstring), in chunks of points to bound memory (each point's first-layer moments are
+        computed once, whatever ``n_samples``)."""
         if not isinstance(q, MeanFieldGaussian):
             raise TypeError(f"{self.name}: q must be a MeanFieldGaussian, got {type(q).__name__}")
         if set(q.names) != set(self.param_shapes):
@@ -457,17 +458,15 @@ class BayesianMLP(LikelihoodModel):
         mean, var = q.mean(), q.variance()
         b = int(x.shape[0])
         widest = max(self.sizes[1:])
-        chunk = max(1, min(n_samples, (1 << 23) // max(1, b * widest)))
-        total = None
-        done = 0
+        chunk = max(1, min(b, (1 << 23) // (n_samples * widest)))  # points per chunk: S x chunk x widest floats
+        parts = []
         with torch.no_grad():
-            while done < n_samples:
-                s = min(chunk, n_samples - done)
-                probs = self.output_local_reparam(mean, var, x, s, generator=generator).log_probs.exp().sum(0)
-                total = probs if total is None else total + probs
-                done += s
-        assert total is not None
-        return total / n_samples
+            for start in range(0, b, chunk):
+                out = self.output_local_reparam(mean, var, x[start:start + chunk], n_samples, generator=generator)
+                parts.append(out.log_probs.exp().mean(0))
+        if not parts:
+            return torch.zeros((0, self.num_classes), dtype=mean["layers.0.weight"].dtype)
+        return torch.cat(parts)
 
     # ----------------------------------------------------------------------------------------------
     def forward_flops(self, batch_size: int, n_samples: int, local_reparam: bool) -> int:
