@@ -21,7 +21,14 @@ SAN set lacks a requested name, or that was not issued by the current CA, is re-
 time). Private keys are written with mode 0600 and never overwritten in place (write to
 a temporary file, then rename).
 
-Nothing generated here is meant to be committed (``/certs/`` is git-ignored).
+Nothing generated here is meant to be committed: ``.gitignore`` ignores every ``certs/``
+directory (the repo's and each deployment's ``runs/<dir>/certs/``) and every ``*.key``,
+``*.pem`` and ``*.crt``; ``tests/test_pki.py`` checks that and that no key is tracked.
+
+The node keys are what SuperNode authentication (on by default in ``scripts/deploy.py`` and
+``docker-compose.yml``) is based on: each public key is registered with the SuperLink
+(``flwr supernode register keys/site-k.pub <conn> --name site-k``) before SuperNode ``k``
+starts with ``--auth-supernode-private-key keys/site-k.key``.
 
 Usage::
 

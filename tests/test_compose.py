@@ -7,6 +7,10 @@
    accepted by the installed flwr 1.39 ``flower-superlink/-supernode/-superexec --help`` and
    by their real argument parsers, certificate/key mounts read-only and matching the files
    ``scripts/pki.py`` writes, ports 9092/8000 published, no ``--insecure`` in the default file.
+3. SuperNode authentication by default: the one-shot ``register-supernodes`` service registers
+   every node's public key, every SuperNode starts only after it completed successfully, and its
+   script (extracted from the compose file) is run for real against loopback TLS / plain-HTTP
+   /health servers with a stand-in ``flwr`` CLI that records its calls.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 FLWR_VERSION = "1.39.0"
 NODES = (0, 1, 2)
+#: one-shot setup services (no Flower daemon command)
+ONE_SHOT = {"superlink-state-init", "register-supernodes"}
+REGISTRAR = "register-supernodes"
 
 BINARY_OF_ROLE = {
     "superlink": "flower-superlink",
@@ -214,7 +221,7 @@ def test_compose_config_rejects_a_broken_file(tmp_path):
 
 
 def test_services_and_images_pinned(services):
-    expected = {"superlink-state-init", "superlink", "superexec-serverapp"}
+    expected = {"superlink-state-init", "superlink", "superexec-serverapp", REGISTRAR}
     expected |= {f"supernode-{k}" for k in NODES} | {f"superexec-clientapp-{k}" for k in NODES}
     assert set(services) == expected
     for name, svc in services.items():
@@ -252,7 +259,7 @@ def test_dockerignore_keeps_secrets_out_of_the_build_context():
 def test_every_flag_is_accepted_by_installed_flwr(services):
     helps = _help_flags()
     for name, svc in services.items():
-        if name == "superlink-state-init":
+        if name in ONE_SHOT:
             continue
         cmd = [str(a) for a in svc["command"]]
         role = _role(name)
@@ -381,3 +388,152 @@ def test_no_secrets_in_tracked_deploy_files():
     for path in (COMPOSE, INSECURE, DOCKERFILE, DOCKERIGNORE):
         text = path.read_text()
         assert "PRIVATE KEY" not in text and "BEGIN CERTIFICATE" not in text, path
+
+
+# ----------------------------------------------------------------------------- SuperNode registration
+
+
+def _registrar_script(services) -> str:
+    """The registrar's ``sh -c`` script as the container runs it (Compose turns ``$$`` into ``$``)."""
+    entry = services[REGISTRAR]["entrypoint"]
+    assert entry[:2] == ["/bin/sh", "-c"] and len(entry) == 3
+    return entry[2].replace("$$", "$")
+
+
+def test_supernodes_start_only_after_their_keys_are_registered(services):
+    reg = services[REGISTRAR]
+    assert reg["image"] == f"flwr/superlink:{FLWR_VERSION}"  # has the `flwr` CLI
+    assert reg["restart"] == "no" and "superlink" in reg["depends_on"]
+    assert reg["environment"]["SUPERNODES"].split() == [f"site-{k}" for k in NODES]
+    assert reg["environment"]["SUPERLINK_CONTROL_API"] == "superlink:8000"
+    for key, value in FLWR_ENV.items():
+        assert str(reg["environment"][key]) == value
+    vols = _volumes(reg)
+    # only the CA certificate and the PUBLIC node keys, read-only; never a private key
+    assert {(s, t) for s, t, _ro in vols} == {("./certs/ca.crt", "/app/certs/ca.crt")} | {
+        (f"./certs/keys/site-{k}.pub", f"/app/keys/site-{k}.pub") for k in NODES
+    }
+    assert all(ro for _s, _t, ro in vols)
+    script = _registrar_script(services)
+    assert 'flwr supernode register "$pub" pgvi --name "$name" --format json' in script
+    assert 'root-certificates = "$CA_CERT"' in script and "insecure" not in script.split("TOML")[1]
+    for k in NODES:
+        dep = services[f"supernode-{k}"]["depends_on"]
+        assert dep == {REGISTRAR: {"condition": "service_completed_successfully"}}, dep
+        # the node authenticates with ITS private key, whose public half the registrar registers
+        node = [str(a) for a in services[f"supernode-{k}"]["command"]]
+        by_target = {t: s for s, t, _ro in _volumes(services[f"supernode-{k}"])}
+        assert by_target[f"/app/{_arg(node, '--auth-supernode-private-key')}"] == f"./certs/keys/site-{k}.key"
+
+
+@needs_compose
+def test_compose_config_resolves_registration_order():
+    """`docker compose config` (the real Compose model) keeps the dependency chain."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    res = subprocess.run([*COMPOSE_CMD, "-f", str(COMPOSE), "config", "--format", "json"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    svc = json.loads(res.stdout)["services"]
+    for k in NODES:
+        dep = svc[f"supernode-{k}"]["depends_on"][REGISTRAR]
+        assert dep["condition"] == "service_completed_successfully" and dep.get("required", True)
+    assert "superlink" in svc[REGISTRAR]["depends_on"]
+    assert svc[REGISTRAR]["entrypoint"][2].replace("$$", "$") == _registrar_script(_load(COMPOSE)["services"])
+
+
+_FAKE_FLWR = """#!/bin/sh
+# stand-in for the flwr CLI: records its arguments and the CLI config, answers like flwr 1.39
+echo "$*" >> "$CALLS"
+cp "$FLWR_HOME/config.toml" "$CALLS.config.toml"
+case "$6" in
+  site-1) echo 'Using SuperLink: pgvi'; echo '{"success": false, "error-message": "[code: 23] Public key already in use."}' ;;
+  bad) echo '{"success": false, "error-message": "[code: 2] boom"}' ;;
+  *) echo '{"success": true, "node-id": 4242}' ;;
+esac
+"""
+
+
+def _health_server(tls_files: pki.PkiFiles | None):
+    """A loopback HTTP(S) server whose /health answers 200 (TLS with the pki.py server cert)."""
+    import http.server
+    import ssl
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls_files is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tls_files.server_cert, tls_files.server_key)
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _run_registrar(services, tmp_path, port: int, files: pki.PkiFiles, names: str, wait_s: int = 20):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "flwr").write_text(_FAKE_FLWR)
+    (bindir / "flwr").chmod(0o755)
+    (bindir / "python").symlink_to(sys.executable) if not (bindir / "python").exists() else None
+    calls = tmp_path / "calls.txt"
+    env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls),
+           "SUPERLINK_CONTROL_API": f"127.0.0.1:{port}", "CA_CERT": str(files.ca_cert),
+           "KEYS_DIR": str(files.out_dir / "keys"), "SUPERNODES": names, "WAIT_S": str(wait_s),
+           "FLWR_HOME": str(tmp_path / "home")}  # fmt: skip
+    res = subprocess.run(["/bin/sh", "-c", _registrar_script(services)], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    return res, (calls.read_text().splitlines() if calls.exists() else [])
+
+
+def test_registrar_script_registers_every_key_over_tls(services, tmp_path):
+    files = pki.ensure_pki(tmp_path / "certs", len(NODES))
+    srv = _health_server(files)
+    try:
+        port = srv.server_address[1]
+        res, calls = _run_registrar(services, tmp_path, port, files, "site-0 site-1 site-2")
+        assert res.returncode == 0, res.stderr
+        keys = files.out_dir / "keys"
+        assert calls == [f"supernode register {keys}/site-{k}.pub pgvi --name site-{k} --format json" for k in NODES]
+        assert "registered site-0" in res.stdout and "4242" in res.stdout
+        assert "site-1: public key already registered" in res.stdout  # idempotent re-`up`
+        import tomllib
+
+        conf = tomllib.loads((tmp_path / "calls.txt.config.toml").read_text())["superlink"]
+        assert conf["pgvi"] == {"address": f"127.0.0.1:{port}", "root-certificates": str(files.ca_cert)}
+
+        # a key file that is missing, or a registration the SuperLink refuses: exit 1 (nodes never start)
+        res, _ = _run_registrar(services, tmp_path, port, files, "site-0 site-7")
+        assert res.returncode == 1 and "site-7.pub missing" in res.stderr
+        pki.generate_node_keypair(keys / "bad.key", keys / "bad.pub", "bad")
+        res, _ = _run_registrar(services, tmp_path, port, files, "bad")
+        assert res.returncode == 1 and "registering bad failed" in res.stderr
+        # a CA that did not issue the server certificate: TLS fails, nothing is registered
+        other = pki.ensure_pki(tmp_path / "other", 1)
+        (tmp_path / "calls.txt").unlink()
+        res, calls = _run_registrar(services, tmp_path, port, other, "site-0", wait_s=3)
+        assert res.returncode == 1 and "not reachable over TLS" in res.stderr and calls == []
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_registrar_script_skips_plain_http_superlink_with_warning(services, tmp_path):
+    """The insecure override runs a plain-HTTP SuperLink without authentication: nothing to register."""
+    files = pki.ensure_pki(tmp_path / "certs", 1)
+    srv = _health_server(None)
+    try:
+        res, calls = _run_registrar(services, tmp_path, srv.server_address[1], files, "site-0")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert res.returncode == 0 and calls == []
+    assert "WARNING" in res.stderr and "authentication is OFF" in res.stderr

@@ -1,7 +1,10 @@
 """The real multi-process deployment on loopback: a SuperLink and 3 SuperNodes as separate OS processes,
-TLS on (certificates made by scripts/pki.py), gRPC Fleet API; the app launched with ``flwr run``.
+with the defaults of ``Deployment``: TLS on (certificates made by scripts/pki.py) and SuperNode
+authentication on (one key pair per node, registered before the node starts), gRPC Fleet API; the app
+launched with ``flwr run``.
 
-Parity with the in-process run and the closed form (conjugate model), and a client killed mid-run.
+Parity with the in-process run and the closed form (conjugate model), a SuperNode with an unregistered
+key refused while the registered ones run, and a client killed mid-run.
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common.config import parse_run_config
-from scripts.deploy import Deployment, free_port_kwargs
+from scripts import pki
+from scripts.deploy import Deployment, find_free_ports, free_port_kwargs
 from strategies.reference import exact_posterior, expected_posterior, max_natural_diff
 from tests.test_inprocess import BASE, run
 
@@ -63,6 +68,53 @@ def test_deployment_asynchronous_reaches_the_exact_posterior(deployment, tmp_pat
     exact = exact_posterior(cfg)
     assert max_natural_diff(exact.from_numpy(post), exact) < 1e-6
     assert all(v >= 1 for v in summary["ledger-versions"].values())
+
+
+def test_unregistered_supernode_is_refused_while_registered_ones_run(deployment, tmp_path):
+    """Default Deployment = TLS + SuperNode auth. A 4th SuperNode with a valid but UNREGISTERED key
+    (same CA, so it passes TLS) is refused by the SuperLink: it never shows up at the SuperLink,
+    exits with Flower's 305, and the run reaches exactly the three registered sites."""
+    assert deployment.auth and not deployment.insecure
+    link = next(p for p in deployment.procs if p.role == "superlink")
+    assert {"--enable-supernode-auth", "--ssl-certfile"} <= set(link.cmd) and "--insecure" not in link.cmd
+    registered = {deployment.node_ids[k] for k in range(3)}
+    for k in range(3):
+        node = next(p for p in deployment.procs if p.role == "supernode" and p.index == k)
+        assert node.cmd[node.cmd.index("--auth-supernode-private-key") + 1] == str(deployment.node_key(k)[0])
+        assert deployment.node_id_from_log(k) == deployment.node_ids[k]  # the id its key was registered as
+
+    rogue_key, rogue_pub = tmp_path / "rogue.key", tmp_path / "rogue.pub"
+    pki.generate_node_keypair(rogue_key, rogue_pub, "rogue")
+    probe = deployment.spawn_probe_node(rogue_key, port=find_free_ports(1)[0], name="rogue")
+    seen_ids: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:  # every node the SuperLink lists while the rogue node tries to join and the run runs
+        while not stop.is_set():
+            try:
+                seen_ids.update(r["node-id"] for r in deployment.list_nodes())
+            except Exception:  # noqa: BLE001 - a slow CLI call on a loaded machine; try again
+                pass
+            stop.wait(3.0)
+
+    out = tmp_path / "out"
+    out.mkdir()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        _post, summary = _run(deployment, {"schedule": "synchronous", "num-server-rounds": 2}, out)
+        rc = deployment.wait_process_exit(probe, timeout=120)
+    finally:
+        stop.set()
+        watcher.join(timeout=90)
+    assert set(summary["ledger-versions"]) == {"site-0", "site-1", "site-2"}
+    assert all(v == 2 for v in summary["ledger-versions"].values())
+    assert rc is not None and rc != 0
+    probe_log = Path(probe.log_path).read_text()
+    assert "Failed to activate SuperNode" in probe_log and "305" in probe_log
+    assert "No SuperNode found with the given public key" in Path(link.log_path).read_text()
+    assert seen_ids and seen_ids <= registered  # the rogue node never appeared, not even as offline
+    assert {r["node-id"] for r in deployment.list_nodes() if r["status"] == "online"} == registered
 
 
 def test_killed_client_does_not_stop_the_run(deployment, tmp_path):

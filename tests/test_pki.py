@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import ssl
 import stat
@@ -220,3 +221,48 @@ def test_cli(tmp_path):
     assert res2.returncode == 0 and "reuse CA" in res2.stderr
     bad = subprocess.run(cmd[:-1] + ["not a name"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "san" in bad.stderr
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+_needs_git = pytest.mark.skipif(
+    not (REPO / ".git").exists() or _git("rev-parse", "--git-dir").returncode != 0,
+    reason="not a git checkout",
+)
+
+
+@_needs_git
+def test_generated_pki_is_git_ignored(tmp_path):
+    """Everything pki.py writes (repo certs/, a deployment's runs/<dir>/certs/) is ignored by git."""
+    files = pki.ensure_pki(tmp_path / "certs", 1)
+    rel = sorted(p.relative_to(tmp_path).as_posix() for p in files.out_dir.rglob("*") if p.is_file())
+    assert "certs/keys/site-0.key" in rel and "certs/ca.key" in rel
+    candidates = rel + [f"runs/deploy/{r}" for r in rel] + ["somewhere/else/node.key", "x/server.pem"]
+    res = _git("check-ignore", "--no-index", *candidates)
+    assert sorted(res.stdout.split()) == sorted(candidates), res.stdout + res.stderr
+
+
+_SECRET = re.compile(
+    rb"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----\s*[A-Za-z0-9+/=]{40}"  # PEM / OpenSSH private key body
+    rb"|-----BEGIN CERTIFICATE-----\s*[A-Za-z0-9+/=]{40}"
+)
+
+
+@_needs_git
+def test_no_key_or_certificate_is_tracked():
+    tracked = _git("ls-files", "-z").stdout.split("\0")
+    tracked = [t for t in tracked if t]
+    assert tracked
+    bad_names = [t for t in tracked if re.search(r"\.(key|pem|crt|csr|p12|pfx)$|(^|/)certs/|(^|/)id_(rsa|ecdsa|ed25519)", t)]
+    assert bad_names == []
+    # no tracked file matches an ignore rule (a key force-added past .gitignore)
+    assert _git("ls-files", "-ci", "--exclude-standard").stdout.strip() == ""
+    leaks = []
+    for t in tracked:
+        path = REPO / t
+        if path.is_file() and path.stat().st_size < 5_000_000:
+            if _SECRET.search(path.read_bytes()):
+                leaks.append(t)
+    assert leaks == []
