@@ -208,6 +208,22 @@ def test_compose_config_insecure_override_is_valid():
 
 
 @needs_compose
+def test_insecure_override_drops_key_registration_and_mounts_no_certificates():
+    import json
+
+    res = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "-f", str(INSECURE), "config", "--format", "json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    services = json.loads(res.stdout)["services"]
+    assert REGISTRAR not in services  # only under the `secure` profile, which the override never enables
+    for k in NODES:
+        assert set(services[f"supernode-{k}"].get("depends_on", {})) == {"superlink"}
+    for name, svc in services.items():
+        mounts = [str(v.get("source", "")) for v in svc.get("volumes", [])]
+        assert not any("certs" in m for m in mounts), (name, mounts)
+
+
+@needs_compose
 def test_compose_config_rejects_a_broken_file(tmp_path):
     """The validator can fail: an unknown service key and a bad restart policy are errors."""
     bad = tmp_path / "bad.yml"
@@ -278,6 +294,9 @@ def test_insecure_override_flags_accepted(services):
     over = _load(INSECURE)["services"]
     assert set(over) <= set(services)
     for name, svc in over.items():
+        if name == REGISTRAR:  # only disabled (moved to a profile) in the override
+            assert svc == {"profiles": ["secure"]}
+            continue
         cmd = [str(a) for a in svc["command"]]
         assert "--insecure" in cmd, name
         role = _role(name)
