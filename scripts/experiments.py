@@ -46,7 +46,7 @@ IMG = ROOT / "docs" / "img"
 FMNIST_BASE: dict[str, object] = {
     "dataset": "fashion_mnist", "model": "bnn", "hidden": "200", "family": "mean_field", "dtype": "float32",
     "num-clients": 3, "min-clients": 3, "partitioner": "iid", "label-noise-kind": "random",
-    "num-server-rounds": 25, "damping": "auto", "schedule": "synchronous",
+    "num-server-rounds": 10, "damping": "auto", "schedule": "synchronous",
     "local-epochs": 3, "patience": 1, "batch-size": 256, "lr": 0.001, "lr-scale": 0.001, "mc-samples": 10,
     "eval-samples": 100, "evaluate-clients": False, "checkpoint": False, "torch-threads": 1,
     "fedavg-lr": 0.1, "fedavg-momentum": 0.9, "fedavg-weight-decay": 5e-4, "fedavg-local-epochs": 10,
@@ -163,6 +163,7 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
     summary = json.loads(summary_path.read_text())
     final = rows[-1]
     secs = [r["client-seconds-mean"] for r in rows if "client-seconds-mean" in r]
+    epochs = [r["client-epochs-mean"] for r in rows if "client-epochs-mean" in r]
     return {
         "run": run_dir.name, "method": cfg.get("method") or run_dir.name.split("-")[0],
         "noise": float(cfg.get("label-noise", 0.0)), "seed": int(cfg.get("seed", 0)),
@@ -172,6 +173,7 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "best-ece": min(r["test-ece"] for r in rows), "final-ece": final["test-ece"],
         "final-brier": final["test-brier"], "wall-seconds": float(summary.get("wall-seconds", math.nan)),
         "client-seconds-per-round": float(np.mean(secs)) if secs else math.nan,
+        "client-epochs-per-round": float(np.mean(epochs)) if epochs else math.nan,
     }
 
 
@@ -205,9 +207,12 @@ def report_fmnist_noise(exp_dir: Path) -> str:
         if m in PUBLISHED:
             lines.append(f"| {LABELS[m]} | published (best) | "
                          + " | ".join(f"{PUBLISHED[m].get(e, math.nan):.2f}" for e in noises) + " |")
-    lines += ["", "| run | rounds | wall s | client local update s/round (mean) |", "|---|---|---|---|"]
+    lines += ["", "| run | rounds | wall s | client local update s/round (mean) | local epochs run/round (mean) |",
+              "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['rounds']} | {r['wall-seconds']:.0f} | {r['client-seconds-per-round']:.1f} |")
+        ep = r["client-epochs-per-round"]
+        lines.append(f"| {r['run']} | {r['rounds']} | {r['wall-seconds']:.0f} | {r['client-seconds-per-round']:.1f} | "
+                     + ("—" if math.isnan(ep) else f"{ep:.2f}") + " |")
     _plot_curves(exp_dir, rows, group="noise", title="Fashion-MNIST, 3 clients, {} % label noise",
                  fname="fmnist_noise{}_curves.png")
     _plot_reliability(exp_dir, rows)

@@ -104,6 +104,7 @@ class RoundStats:
     staleness: list[int] = field(default_factory=list)
     reply_bytes: int = 0
     client_seconds: list[float] = field(default_factory=list)
+    client_epochs: list[float] = field(default_factory=list)
     num_examples: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
@@ -123,6 +124,9 @@ class RoundStats:
         if self.client_seconds:
             out["client-seconds-max"] = max(self.client_seconds)
             out["client-seconds-mean"] = sum(self.client_seconds) / len(self.client_seconds)
+        if self.client_epochs:  # local optimiser epochs actually run (early stopping), 0 for closed forms
+            out["client-epochs-max"] = max(self.client_epochs)
+            out["client-epochs-mean"] = sum(self.client_epochs) / len(self.client_epochs)
         return {k: float(v) for k, v in out.items()}
 
 
@@ -655,6 +659,8 @@ class PGVIStrategy(Strategy):
             stats.num_examples += d.metrics.get("num-examples", 0.0)
             if "seconds" in d.metrics:
                 stats.client_seconds.append(d.metrics["seconds"])
+            if "epochs" in d.metrics:
+                stats.client_epochs.append(d.metrics["epochs"])
 
     # =============================================================================================
     # evaluation and records

@@ -197,3 +197,19 @@ def test_run_stops_with_the_clients_reason_when_every_client_fails():
     with pytest.raises((AllClientsFailed, RuntimeError)) as ei:
         strategy.start(grid)
     assert "num-partitions=5" in str(ei.value)
+
+
+def test_round_rows_report_the_local_epochs_run():
+    conj = run()[1]  # conjugate closed form: no optimiser epochs
+    assert all(r["client-epochs-max"] == 0.0 for r in conj.history if r["round"] >= 1)
+    raw = {"model": "logistic_regression", "dataset": "breast_cancer", "num-clients": 2, "min-clients": 2,
+           "num-server-rounds": 2, "local-epochs": 40, "patience": 2, "batch-size": 64, "lr": 0.05,
+           "evaluate-clients": False, "wait-for-clients-s": 0, "round-timeout-s": 60}
+    cfg = parse_run_config(raw)
+    grid = InProcessGrid(client_app, [{"partition-id": m, "client-id": f"site-{m}"} for m in range(2)], raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    rows = [r for r in strategy.history if r["round"] >= 1]
+    assert len(rows) == 2
+    for r in rows:
+        assert 1.0 <= r["client-epochs-mean"] <= r["client-epochs-max"] <= 40.0
