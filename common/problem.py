@@ -55,7 +55,7 @@ def _synthetic(cfg: RunConfig) -> ArraysSplit:
         from common.data.synthetic import logistic_2d_with_outliers
 
         d = logistic_2d_with_outliers(seed=cfg.seed)
-        return ArraysSplit(d["x_train"], d["y_train"], d["x_test"], d["y_test"], 2)
+        return ArraysSplit(d.x_train, d.y_train, d.x_test, d.y_test, 2)
     raise KeyError(cfg.dataset)
 
 
