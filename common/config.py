@@ -80,7 +80,7 @@ class RunConfig(BaseModel):
     aggregator_clip_multiplier: float = Field(2.0, gt=0)
     max_bad_replies: int = Field(3, ge=0, description="exclude a client after this many invalid replies (0 = never)")
     exclusion_removes_site: bool = Field(
-        True, description="on exclusion, divide the client's site out of the posterior (its earlier updates are distrusted)"
+        False, description="on exclusion, divide the client's site out of the posterior (its earlier updates are distrusted)"
     )
     wait_for_clients_s: float = Field(120.0, ge=0)
     round_timeout_s: float = Field(600.0, gt=0)

@@ -107,7 +107,7 @@ def test_a_client_that_keeps_sending_bad_replies_is_excluded():
 
 def test_an_excluded_clients_site_is_divided_out_of_the_posterior():
     # site-1 contributes in round 1, then sends NaN in rounds 2 and 3 and is excluded after the second
-    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2}
+    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2, "exclusion-removes-site": True}
     cfg = parse_run_config(raw)
     nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": "nan@2,3"} if m == 1 else {})} for m in range(3)]
     grid = InProcessGrid(client_app, nodes, raw)
@@ -121,8 +121,8 @@ def test_an_excluded_clients_site_is_divided_out_of_the_posterior():
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
 
 
-def test_exclusion_can_keep_the_site():
-    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2, "exclusion-removes-site": False}
+def test_exclusion_keeps_the_site_by_default():
+    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2}
     cfg = parse_run_config(raw)
     nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": "nan@2,3"} if m == 1 else {})} for m in range(3)]
     grid = InProcessGrid(client_app, nodes, raw)
