@@ -15,5 +15,8 @@ E=".venv/bin/python scripts/experiments.py"
   $E fmnist-noise --noise 0.2 --seeds 0 --methods fedgvi pvi fedavg
   $E fmnist-noise --noise 0.1 --seeds 0 --methods fedgvi pvi fedavg
 ) > runs/experiments/lane-b.log 2>&1 &
+(
+  $E fmnist-noise --noise 0.4 --seeds 0 --methods gvi1 vi1     # the one-client (centralised) references
+) > runs/experiments/lane-c.log 2>&1 &
 wait
 $E report
