@@ -51,6 +51,20 @@ def _other_class(current: np.ndarray, draws: np.ndarray) -> np.ndarray:
     return draws + (draws >= current)
 
 
+def _prepare(
+    y: np.ndarray, rate: float, num_classes: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.random.Generator]:
+    """Validated copy of the labels, an all-False mask, the chosen indices (empty for rate 0), the class count
+    and the generator that chose them (the caller draws the new classes from it next)."""
+    y, rate, c = _check(y, rate, num_classes, seed)
+    rng = np.random.default_rng(seed)
+    new = y.astype(np.int64, copy=True)
+    mask = np.zeros(y.shape[0], dtype=bool)
+    if rate == 0.0 or y.size == 0:
+        return new, mask, np.zeros(0, dtype=np.int64), c, rng
+    return new, mask, _choose(y.shape[0], rate, rng), c, rng
+
+
 def random_flip(y: np.ndarray, rate: float, num_classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Give ``round(rate * n)`` random points a uniformly random other class.
 
@@ -58,15 +72,10 @@ def random_flip(y: np.ndarray, rate: float, num_classes: int, seed: int) -> tupl
         ``(new_labels, flipped_mask)``: a new int64 array, and a bool mask of the chosen points (on which
         ``new_labels != y``).
     """
-    y, rate, c = _check(y, rate, num_classes, seed)
-    rng = np.random.default_rng(seed)
-    new = y.astype(np.int64, copy=True)
-    mask = np.zeros(y.shape[0], dtype=bool)
-    if rate == 0.0 or y.size == 0:
-        return new, mask
-    idx = _choose(y.shape[0], rate, rng)
-    new[idx] = _other_class(new[idx], rng.integers(0, c - 1, size=idx.size))
-    mask[idx] = True
+    new, mask, idx, c, rng = _prepare(y, rate, num_classes, seed)
+    if idx.size:
+        new[idx] = _other_class(new[idx], rng.integers(0, c - 1, size=idx.size))
+        mask[idx] = True
     return new, mask
 
 
@@ -76,15 +85,10 @@ def class_map_flip(y: np.ndarray, rate: float, num_classes: int, seed: int) -> t
     Returns:
         ``(new_labels, flipped_mask)`` as in :func:`random_flip`.
     """
-    y, rate, c = _check(y, rate, num_classes, seed)
-    rng = np.random.default_rng(seed)
-    new = y.astype(np.int64, copy=True)
-    mask = np.zeros(y.shape[0], dtype=bool)
-    if rate == 0.0 or y.size == 0:
-        return new, mask
-    idx = _choose(y.shape[0], rate, rng)
-    classes = np.arange(c, dtype=np.int64)
-    target = _other_class(classes, rng.integers(0, c - 1, size=c))
-    new[idx] = target[new[idx]]
-    mask[idx] = True
+    new, mask, idx, c, rng = _prepare(y, rate, num_classes, seed)
+    if idx.size:
+        classes = np.arange(c, dtype=np.int64)
+        target = _other_class(classes, rng.integers(0, c - 1, size=c))
+        new[idx] = target[new[idx]]
+        mask[idx] = True
     return new, mask
