@@ -378,6 +378,7 @@ class Deployment:
         superexec_poll_interval: float | None = 0.1,
         env: Mapping[str, str] | None = None,
         bin_dir: str | os.PathLike[str] | None = None,
+        superlink_state: str = "sqlite",
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
@@ -385,6 +386,8 @@ class Deployment:
             raise ValueError("auth=True requires TLS: SuperNode authentication cannot be insecure")
         if auth is None:
             auth = not insecure
+        if superlink_state not in ("sqlite", "memory"):
+            raise ValueError(f"superlink_state must be 'sqlite' or 'memory', got {superlink_state!r}")
         if isolation not in ("subprocess", "process"):
             raise ValueError(f"isolation must be 'subprocess' or 'process', got {isolation!r}")
         if node_ports is not None and len(node_ports) != num_nodes:
@@ -416,6 +419,10 @@ class Deployment:
         for k, cfg in (node_configs or {}).items():
             self.set_node_config(int(k), cfg)
         self.superexec_poll_interval = superexec_poll_interval
+        # "sqlite": durable SuperLink state in <run_dir>/superlink/state.db (survives a SuperLink restart,
+        # keeps node registrations); "memory": Flower's in-memory LinkState (no SQLite write lock, so no
+        # "database is locked" under heavy load; everything is lost when the SuperLink stops)
+        self.superlink_state = superlink_state
         self.extra_env = dict(env or {})
         self.bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent
         self.token = secrets.token_hex(8)
@@ -750,13 +757,14 @@ class Deployment:
     def _start_superlink(self, timeout: float) -> None:
         db = self.run_dir / "superlink" / "state.db"
         db.parent.mkdir(parents=True, exist_ok=True)
+        database = str(db) if self.superlink_state == "sqlite" else ":flwr-in-memory:"
         cmd = [
             self._bin("flower-superlink"),
             *self._tls_server_args(),
             "--host", self.host,
             "--port", str(self.control_port),
             "--fleet-api-address", f"{self.host}:{self.fleet_port}",
-            "--database", str(db),
+            "--database", database,
             "--isolation", self.isolation,
             "--disable-runtime-dependency-installation",
         ]  # fmt: skip
@@ -1245,6 +1253,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="node config for node K only, merged over --node-config (repeatable)")  # fmt: skip
     up.add_argument("--poll-interval", type=float, default=0.1,
                     help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")  # fmt: skip
+    up.add_argument("--superlink-state", choices=("sqlite", "memory"), default="sqlite",
+                    help="sqlite: durable state.db (default); memory: Flower's in-memory state, no SQLite "
+                         "locking under load, lost when the SuperLink stops")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait until online")
     up.add_argument("--run", action="store_true", help="then run the app (flwr run --stream)")
     up.add_argument("-c", "--run-config", action="append", default=[], help="passed to flwr run")
@@ -1324,6 +1335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_config=_parse_kv(args.node_config),
             node_configs=_parse_per_node(args.node_config_for),
             superexec_poll_interval=args.poll_interval,
+            superlink_state=args.superlink_state,
         )
         old = Path(args.run_dir).resolve() / STATE_FILE
         if old.exists():

@@ -308,3 +308,23 @@ def test_process_isolation_tls_auth_runs_the_app(make_deployment):
     assert bad.status == "finished:failed" and bad.returncode == 0, bad
     refused = dep.run_app({"no-such-key": 1}, timeout=120)
     assert refused.run_id is None and refused.status == "not-started" and not refused.ok
+
+
+@pytest.mark.slow
+def test_in_memory_superlink_state_runs_the_app_with_auth(make_deployment):
+    """`superlink_state="memory"`: Flower's in-memory LinkState (no SQLite file, so no "database is locked"
+    under load); node registration and a run still work."""
+    dep = make_deployment(2, superlink_state="memory")
+    dep.start()
+    dep.wait_online(timeout=120)
+    link = next(p for p in dep.procs if p.name == "superlink")
+    assert link.cmd[link.cmd.index("--database") + 1] == ":flwr-in-memory:"
+    assert "--enable-supernode-auth" in link.cmd
+    assert not (dep.run_dir / "superlink" / "state.db").exists()
+    ok = dep.run_app(_TINY_RUN, timeout=600)
+    assert ok.ok, (ok, ok.log_path.read_text()[-3000:])
+
+
+def test_superlink_state_guard(tmp_path):
+    with pytest.raises(ValueError, match="superlink_state"):
+        Deployment(2, run_dir=tmp_path, superlink_state="postgres")
