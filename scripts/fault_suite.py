@@ -290,7 +290,8 @@ class Suite:
         run_dir = self.out / f"deploy-{n}"
         shutil.rmtree(run_dir, ignore_errors=True)
         dep = Deployment(n, run_dir=run_dir, app_dir=self.app_dir, superexec_poll_interval=self.args.poll_interval,
-                         node_config={"torch-threads": 1}, **free_port_kwargs(n))  # fmt: skip
+                         node_config={"torch-threads": 1}, superlink_state=self.args.superlink_state,
+                         **free_port_kwargs(n))  # fmt: skip
         self.deployments.append(dep)
         try:
             say(f"starting SuperLink + {n} SuperNodes (TLS) in {run_dir}")
@@ -980,6 +981,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wait-for-clients", type=float, default=300.0, help="run config wait-for-clients-s")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a flwr run is stopped")
     p.add_argument("--poll-interval", type=float, default=1.0, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
+    p.add_argument("--superlink-state", choices=("sqlite", "memory"), default="memory",
+                   help="SuperLink state: memory (default; no SQLite 'database is locked' under load, Finding 2) "
+                        "or sqlite (the durable state.db)")
     p.add_argument("--max-load", type=float, default=16.0, help="wait before a run while loadavg(1 min) >= this")
     p.add_argument("--load-wait", type=float, default=60.0, help="longest wait for the load to drop (s)")
     p.add_argument("--retries", type=int, default=1, help="retries of a scenario after an INFRA failure")
