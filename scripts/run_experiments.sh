@@ -17,6 +17,7 @@ E=".venv/bin/python scripts/experiments.py"
 ) > runs/experiments/lane-b.log 2>&1 &
 (
   $E fmnist-noise --noise 0.4 --seeds 0 --methods gvi1 vi1     # the one-client (centralised) references
+  $E fmnist-noise --noise 0.0 --seeds 1 --methods pvi fedgvi
 ) > runs/experiments/lane-c.log 2>&1 &
 wait
 $E report
