@@ -697,7 +697,8 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
     watcher = RowWatcher(wd / "outputs").start()
     sampler.start()
     try:
-        res = run_simulation(run_config, args.sim_clients, wd, num_cpus_per_client=1.0, timeout=args.run_timeout)
+        res = run_simulation(run_config, args.sim_clients, wd, num_cpus_per_client=args.sim_cpus_per_client,
+                             timeout=args.run_timeout)
     finally:
         sampler.stop()
         watcher.stop()
@@ -936,6 +937,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)
     ap.add_argument("--sim-rounds", type=int, default=3)
+    ap.add_argument("--sim-cpus-per-client", type=float, default=1.0,
+                    help="Ray CPUs per ClientApp actor: 1 = one actor per core; 2 on this machine = one actor")
     ap.add_argument("--client-venv", type=Path, default=Path("/tmp/pgvi-client-venv"))
     ap.add_argument("--fresh-client-venv", action="store_true", help="delete and re-create the client venv")
     ap.add_argument("--torch-cpu-spec", default="torch==2.13.0")
