@@ -167,7 +167,7 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
     return {
         "run": run_dir.name, "method": cfg.get("method") or run_dir.name.split("-")[0],
         "noise": float(cfg.get("label-noise", 0.0)), "seed": int(cfg.get("seed", 0)),
-        "schedule": cfg.get("schedule", ""), "rounds": int(final["round"]),
+        "schedule": _schedule_label(cfg), "rounds": int(final["round"]),
         "best-accuracy": max(r["test-accuracy"] for r in rows), "final-accuracy": final["test-accuracy"],
         "best-nll": min(r["test-nll"] for r in rows), "final-nll": final["test-nll"],
         "best-ece": min(r["test-ece"] for r in rows), "final-ece": final["test-ece"],
@@ -175,6 +175,13 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "client-seconds-per-round": float(np.mean(secs)) if secs else math.nan,
         "client-epochs-per-round": float(np.mean(epochs)) if epochs else math.nan,
     }
+
+
+def _schedule_label(cfg: dict) -> str:
+    sched = str(cfg.get("schedule", ""))
+    if sched == "asynchronous":
+        return f"asynchronous (max staleness {int(cfg.get('max-staleness', 2))})"
+    return sched
 
 
 def _mean_std(values: list[float]) -> str:
@@ -364,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     p2.add_argument("--seeds", nargs="+", type=int, default=[0])
     p2.add_argument("--rounds", type=int, default=10)
     for p in (p1, p2):
+        p.add_argument("--suffix", default="", help="appended to each run's name (a variant of the same runs)")
         p.add_argument("--dry-run", action="store_true", help="print the commands only")
         p.add_argument("-c", "--config", action="append", default=[], help="extra run-config override key=value")
     sub.add_parser("report", help="tables and plots of the finished runs")
@@ -379,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         extra = {k.strip(): tomllib.loads(f"v = {v}")["v"] for k, _, v in (kv.partition("=") for kv in args.config)}
         for run in runs:
             run.config.update(extra)
+            run.name += args.suffix
             execute(run, dry_run=args.dry_run)
         return  # several lanes may run at once: only `report` writes the tables and plots
     print(report_fmnist_noise(RUNS / "fmnist_noise"))
