@@ -8,7 +8,7 @@ E=".venv/bin/python scripts/experiments.py"
   $E fmnist-noise --noise 0.4 --seeds 1 --methods fedgvi pvi fedavg
   $E fmnist-noise --noise 0.4 --seeds 0 --methods gce
   $E fmnist-noniid --schedules synchronous sequential asynchronous --seeds 0 --rounds 10
-  $E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 --suffix -staleness10 -c max-staleness=10
+  $E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 --suffix=-staleness10 -c max-staleness=10
 ) > runs/experiments/lane-a.log 2>&1 &
 (
   $E fmnist-noise --noise 0.0 --seeds 0 --methods fedgvi pvi fedavg
