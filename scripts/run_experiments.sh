@@ -21,4 +21,14 @@ E=".venv/bin/python scripts/experiments.py"
   $E fmnist-noise --noise 0.0 --seeds 1 --methods pvi fedgvi
 ) > runs/experiments/lane-c.log 2>&1 &
 wait
+# second seeds where time allowed (two lanes)
+(
+  $E fmnist-noise --noise 0.4 --seeds 1 --methods gce
+  $E fmnist-noise --noise 0.2 --seeds 1 --methods fedgvi pvi
+) > runs/experiments/lane-x.log 2>&1 &
+(
+  $E fmnist-noise --noise 0.0 --seeds 1 --methods fedavg
+  $E fmnist-noise --noise 0.1 --seeds 1 --methods fedgvi pvi fedavg
+) > runs/experiments/lane-y.log 2>&1 &
+wait
 $E report
