@@ -1,5 +1,5 @@
 #!/bin/bash
-# Every Fashion-MNIST run of docs/RESULTS.md, most important first, in two lanes of one torch thread each
+# Every Fashion-MNIST run of docs/RESULTS.md, most important first, in parallel lanes of one torch thread each
 # (a 2-core machine). Each command skips runs that have finished, so the script can be re-run after a stop.
 cd "$(dirname "$0")/.."
 E=".venv/bin/python scripts/experiments.py"
