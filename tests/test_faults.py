@@ -20,8 +20,8 @@ from tests.test_inprocess import BASE, client_sites
 ROUNDS = 3
 
 
-def _run(fault: str, schedule: str = "synchronous"):
-    raw = {**BASE, "num-server-rounds": ROUNDS, "schedule": schedule}
+def _run(fault: str, schedule: str = "synchronous", **overrides):
+    raw = {**BASE, "num-server-rounds": ROUNDS, "schedule": schedule, **overrides}
     cfg = parse_run_config(raw)
     nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": fault} if m == 1 else {})} for m in range(3)]
     grid = InProcessGrid(client_app, nodes, raw)
@@ -30,7 +30,7 @@ def _run(fault: str, schedule: str = "synchronous"):
     return cfg, strategy, grid
 
 
-def _consistent(cfg, strategy, grid):
+def ledger_matches_clients(cfg, strategy, grid):
     assert strategy.state.check_invariant() < 1e-10
     sites = client_sites(grid, strategy)
     assert set(sites) == {"site-0", "site-1", "site-2"}
@@ -47,7 +47,7 @@ def test_invalid_reply_is_rejected_and_nothing_else_changes(fault, schedule):
     assert strategy.rejections[0]["round"] == 2
     assert strategy.ledger_versions == {"site-0": ROUNDS, "site-1": ROUNDS - 1, "site-2": ROUNDS}
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
-    _consistent(cfg, strategy, grid)
+    ledger_matches_clients(cfg, strategy, grid)
 
 
 @pytest.mark.parametrize("fault", ["lose-reply@2", "crash-before-reply@2", "lose-reply@1,2"])
@@ -57,7 +57,7 @@ def test_lost_reply_or_crash_loses_no_update_and_counts_none_twice(fault):
     assert strategy.ledger_versions == {"site-0": ROUNDS, "site-1": ROUNDS - lost, "site-2": ROUNDS}
     assert not strategy.rejections
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
-    _consistent(cfg, strategy, grid)
+    ledger_matches_clients(cfg, strategy, grid)
 
 
 @pytest.mark.parametrize("fault", ["scale:10@2", "flip@2"])
@@ -66,7 +66,7 @@ def test_byzantine_update_is_applied_consistently_by_plain_sum(fault):
     cfg, strategy, grid = _run(fault)
     honest = expected_posterior(cfg, strategy.ledger_versions)
     assert max_natural_diff(strategy.state.posterior, honest) > 1e-3
-    _consistent(cfg, strategy, grid)
+    ledger_matches_clients(cfg, strategy, grid)
 
 
 def _run_many(fault: str, aggregator: str, n: int = 7, rounds: int = 3, **extra):
@@ -107,12 +107,7 @@ def test_a_client_that_keeps_sending_bad_replies_is_excluded():
 
 def test_an_excluded_clients_site_is_divided_out_of_the_posterior():
     # site-1 contributes in round 1, then sends NaN in rounds 2 and 3 and is excluded after the second
-    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2, "exclusion-removes-site": True}
-    cfg = parse_run_config(raw)
-    nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": "nan@2,3"} if m == 1 else {})} for m in range(3)]
-    grid = InProcessGrid(client_app, nodes, raw)
-    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
-    strategy.start(grid)
+    cfg, strategy, _ = _run("nan@2,3", **{"num-server-rounds": 4, "max-bad-replies": 2, "exclusion-removes-site": True})
     assert [(r["round"], r["client-id"]) for r in strategy.rejections] == [(2, "site-1"), (3, "site-1")]
     assert strategy.ledger_versions == {"site-0": 4, "site-1": 0, "site-2": 4}
     assert max(abs(v).max() for v in strategy.state.sites["site-1"].to_numpy().values()) == 0.0
@@ -122,11 +117,6 @@ def test_an_excluded_clients_site_is_divided_out_of_the_posterior():
 
 
 def test_exclusion_keeps_the_site_by_default():
-    raw = {**BASE, "num-server-rounds": 4, "max-bad-replies": 2}
-    cfg = parse_run_config(raw)
-    nodes = [{"partition-id": m, "client-id": f"site-{m}", **({"fault": "nan@2,3"} if m == 1 else {})} for m in range(3)]
-    grid = InProcessGrid(client_app, nodes, raw)
-    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
-    strategy.start(grid)
+    cfg, strategy, _ = _run("nan@2,3", **{"num-server-rounds": 4, "max-bad-replies": 2})
     assert strategy.ledger_versions == {"site-0": 4, "site-1": 1, "site-2": 4}
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9

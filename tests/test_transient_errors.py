@@ -15,7 +15,6 @@ from collections import Counter
 from collections.abc import Callable
 
 import httpx
-import numpy as np
 import pytest
 from flwr.app import Error, Message
 from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
@@ -27,7 +26,8 @@ from common.problem import build_problem
 from strategies.inprocess import SERVER_NODE_ID, InProcessGrid
 from strategies.pgvi import PGVIStrategy
 from strategies.reference import expected_posterior, max_natural_diff
-from tests.test_inprocess import BASE, client_sites
+from tests.test_faults import ledger_matches_clients
+from tests.test_inprocess import BASE
 
 ROUNDS = 3
 ErrorRule = Callable[[int, list[Message]], Exception | None]  # (call number from 1, messages) -> error to raise
@@ -126,12 +126,22 @@ def _run(schedule: str = "synchronous", overrides: dict | None = None, **grid_kw
 def _consistent(cfg, strategy, grid) -> None:
     """The posterior is the closed form of the ledger and every client's own site is the ledger's."""
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
-    assert strategy.state.check_invariant() < 1e-10
-    sites = client_sites(grid, strategy)
-    assert set(sites) == {"site-0", "site-1", "site-2"}
-    for cid, site in sites.items():
-        for k, v in strategy.state.sites[cid].to_numpy().items():
-            np.testing.assert_allclose(site[k], v, rtol=0, atol=1e-12)
+    ledger_matches_clients(cfg, strategy, grid)
+
+
+def _fail_each_nodes_first_round2_push() -> Callable[[int, list[Message]], Exception | None]:
+    """A push rule: the first push of round 2 to each node answers HTTP 500 (after delivery, if the grid
+    delivers first); later pushes succeed."""
+    failed: set[int] = set()
+
+    def rule(n: int, msgs: list[Message]) -> Exception | None:
+        nodes = {m.metadata.dst_node_id for m in msgs}
+        if _train_round(msgs) == 2 and not nodes & failed:
+            failed.update(nodes)
+            return http_error(500, "push-messages")
+        return None
+
+    return rule
 
 
 def _retries_logged(caplog, call: str) -> list[str]:
@@ -191,15 +201,7 @@ def test_transient_push_errors_are_retried_and_each_message_runs_once(schedule, 
 def test_retried_push_whose_first_attempt_was_delivered_is_not_delivered_again(schedule):
     """The push of round 2 is stored and delivered, then answers 500; the retry re-sends the same messages,
     which the SuperLink (here: the idempotent grid) recognises by their id, so each runs once."""
-    failed: set[int] = set()
-
-    def rule(n: int, msgs: list[Message]) -> Exception | None:
-        nodes = {m.metadata.dst_node_id for m in msgs}
-        if _train_round(msgs) == 2 and not nodes & failed:
-            failed.update(nodes)
-            return http_error(500, "push-messages")
-        return None
-
+    rule = _fail_each_nodes_first_round2_push()
     cfg, strategy, grid = _run(schedule, deliver_first=True, idempotent=True, push_error=rule)
     assert grid.errors_raised >= 1
     assert set(grid.runs.values()) == {1}, grid.runs
@@ -214,15 +216,7 @@ def test_retried_push_whose_first_attempt_was_delivered_is_not_delivered_again(s
 def test_message_executed_twice_after_a_retried_push_is_applied_once(schedule):
     """Worst case: the failed push of round 2 was delivered, the retry is delivered again, and the server
     receives the replies of both executions.  The site versions let exactly one of them through."""
-    failed: set[int] = set()
-
-    def rule(n: int, msgs: list[Message]) -> Exception | None:
-        nodes = {m.metadata.dst_node_id for m in msgs}
-        if _train_round(msgs) == 2 and not nodes & failed:
-            failed.update(nodes)
-            return http_error(500, "push-messages")
-        return None
-
+    rule = _fail_each_nodes_first_round2_push()
     cfg, strategy, grid = _run(schedule, deliver_first=True, idempotent=False, push_error=rule)
     twice = [cid for (cid, _), v in grid.runs.items() if v == 2]
     assert twice, grid.runs  # the duplicate delivery did happen
