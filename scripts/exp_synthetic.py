@@ -178,6 +178,14 @@ def _pyplot():
     return plt
 
 
+def _save_figure(fig: Any, path: Path) -> None:
+    plt = _pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _location_settings(num_clients: int, prior_mean: float, prior_variance: float, seed: int) -> dict[str, Any]:
     return {
         "model": "gaussian_location", "family": "mean_field", "dtype": "float64",
@@ -334,10 +342,7 @@ def _plot_clutter(path: Path, data: Any, dens: dict[str, Any], sweep: dict[str, 
     ax2.set_ylabel("|posterior mean − θ*|")
     ax2.set_title("Error vs contamination (mean ± sd over seeds)")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_figure(fig, path)
 
 
 # ==================================================================================================
@@ -441,10 +446,7 @@ def _plot_influence(path: Path, table: dict[str, Any], z_grid: list[float]) -> N
     ax.set_title("Influence of one outlier (Student-t(4) data, 7 clients)")
     ax.set_yscale("symlog", linthresh=0.01)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_figure(fig, path)
 
 
 # ==================================================================================================
@@ -585,10 +587,7 @@ def _plot_logistic(path: Path, data: Any, state: dict[str, Any]) -> None:
         ax.set_xlabel("x1")
     axes[0].set_ylabel("x2")
     axes[0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_figure(fig, path)
 
 
 # ==================================================================================================
