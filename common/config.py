@@ -56,6 +56,8 @@ class RunConfig(BaseModel):
     loss_delta: float = Field(0.5, description="GCE delta in (0, 1]")
     loss_beta: float = Field(1.5, description="beta-loss beta > 1")
     loss_gamma: float = Field(1.5, description="gamma-loss gamma > 1")
+    loss_weight: float = Field(1.0, gt=0, allow_inf_nan=False,
+                               description="GBI learning rate w: the local objective is E_q[w L] + D")
     sm_weight: Literal["constant", "imq", "se"] = "imq"
     sm_c: float = Field(1.0, gt=0)
     likelihood_sigma: float = Field(1.0, gt=0, description="known noise scale of the Gaussian models")

@@ -19,6 +19,9 @@ classifier, a density for a Gaussian model).
 * ``score_matching``: the weighted Hyvarinen loss of Altamirano et al. (2023/2024), FedGVI App. B.6, for an
   isotropic Gaussian model ``N(y; m, sigma^2 I_D)`` only.  See :class:`ScoreMatchingLoss`.
 
+:class:`ScaledLoss` multiplies any of them by a weight ``w > 0`` (the learning rate of generalised Bayes,
+Bissiri et al. 2016): ``E_q[w L] + D`` has the same minimiser as ``E_q[L] + D / w``.
+
 ``Loss.quadratic`` returns the loss summed over a batch as an exact
 :class:`~common.quadratic.QuadraticLoss` in ``theta`` when the model admits one (NLL and score matching for
 the Gaussian location and linear-Gaussian models); this is what the conjugate client update uses.
@@ -100,6 +103,44 @@ def make_loss(name: str, **hyper: object) -> Loss:
             f"it accepts: {', '.join(params) or 'none'}"
         )
     return factory(**hyper)
+
+
+class ScaledLoss(Loss):
+    """``w * L`` for a loss ``L`` and a weight ``w > 0``: the GBI learning rate (Bissiri et al. 2016).
+
+    With the KL divergence, ``E_q[w L] + KL(q : p)`` and ``E_q[L] + (1/w) KL(q : p)`` have the same
+    minimiser (FedGVI Lemma B.1), so ``w`` is also how the FedGVI reference BNN code behaves: it sums the GCE
+    over its ``S = 10`` Monte Carlo samples instead of averaging, an implicit ``w = 10``.  The wrapper keeps
+    the base loss's ``name`` and scales its quadratic form, so the closed-form and conjugate paths stay exact.
+    """
+
+    def __init__(self, base: Loss, weight: float) -> None:
+        w = _finite_float(weight, "weight", base.name)
+        if w <= 0:
+            raise ValueError(f"{base.name}: loss weight must be > 0, got {w}")
+        if isinstance(base, ScaledLoss):
+            base, w = base.base, base.weight * w
+        self.base, self.weight = base, w
+        self.name = base.name  # type: ignore[misc]  # instance attribute shadows the ClassVar on purpose
+        self.needs_reference = base.needs_reference  # type: ignore[misc]
+
+    def hyperparameters(self) -> dict[str, object]:
+        return {**self.base.hyperparameters(), "weight": self.weight}
+
+    def __call__(self, out: LikelihoodOutput, y: Tensor, reference: LikelihoodOutput | None = None) -> Tensor:
+        return self.weight * self.base(out, y, reference=reference)
+
+    def quadratic(self, model, x, y, reference_theta=None):  # type: ignore[no-untyped-def]
+        quad = self.base.quadratic(model, x, y, reference_theta)
+        if quad is None:
+            return None
+        return QuadraticLoss(self.weight * quad.precision, self.weight * quad.shift, self.weight * quad.constant,
+                             quad.name)
+
+
+def weighted(loss: Loss, weight: float) -> Loss:
+    """``loss`` itself for ``weight == 1``, else :class:`ScaledLoss` ``(loss, weight)``."""
+    return loss if float(weight) == 1.0 else ScaledLoss(loss, weight)
 
 
 # ==================================================================================================

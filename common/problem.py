@@ -17,7 +17,7 @@ from common.divergences import Divergence, make_divergence
 from common.factors import ServerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.local_gvi import LocalGVIConfig
-from common.losses import Loss, make_loss
+from common.losses import Loss, make_loss, weighted
 from common.models import LikelihoodModel, make_model
 from common.server_gvi import make_server_step
 
@@ -136,7 +136,7 @@ def _loss(cfg: RunConfig) -> Loss:
         "gamma": {"gamma": cfg.loss_gamma},
         "score_matching": {"weight": cfg.sm_weight, "c": cfg.sm_c},
     }[cfg.loss]
-    return make_loss(cfg.loss, **hyper)
+    return weighted(make_loss(cfg.loss, **hyper), cfg.loss_weight)
 
 
 def _divergence(name: str, alpha: float, w: float) -> Divergence:
