@@ -70,7 +70,9 @@ class RunConfig(BaseModel):
     damping: float | Literal["auto"] = Field("auto", description="rho in (0, 1]; 'auto' = 1/M (sequential: 1)")
     schedule: Literal["synchronous", "sequential", "asynchronous"] = "synchronous"
     sequential_order: str = Field("", description="comma-separated client ids; '' = sorted ids")
-    max_staleness: int = Field(2, ge=0, description="asynchronous: reject updates older than this many versions")
+    max_staleness: int | Literal["auto"] = Field(
+        "auto", description="asynchronous: reject updates older than this many versions; 'auto' = num-clients"
+    )
     num_server_rounds: int = Field(5, ge=1)
     fraction_train: float = Field(1.0, gt=0, le=1)
     min_clients: int = Field(2, ge=1)
@@ -157,6 +159,13 @@ class RunConfig(BaseModel):
             raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v}")
         return v
 
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_range(cls, v: int | str) -> int | str:
+        if v != "auto" and (isinstance(v, bool) or int(v) < 0):
+            raise ValueError(f"max-staleness must be an integer >= 0 or 'auto', got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _cross_field(self) -> RunConfig:
         errors: list[str] = []
@@ -200,6 +209,12 @@ class RunConfig(BaseModel):
         if self.aggregator == "norm_clip":
             return {"max_norm": self.aggregator_clip_norm or None, "multiplier": self.aggregator_clip_multiplier}
         return {}
+
+    def staleness_bound(self) -> int:
+        """The largest staleness an asynchronous update may have.  ``'auto'`` = M: with one message in flight
+        per client, every other client's update can land between a client's dispatch and its reply, so a
+        bound below M - 1 starves the slower clients even when all run at the same speed."""
+        return self.num_clients if self.max_staleness == "auto" else int(self.max_staleness)
 
     def rho(self) -> float:
         if self.damping == "auto":

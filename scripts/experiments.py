@@ -180,7 +180,7 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
 def _schedule_label(cfg: dict) -> str:
     sched = str(cfg.get("schedule", ""))
     if sched == "asynchronous":
-        return f"asynchronous (max staleness {int(cfg.get('max-staleness', 2))})"
+        return f"asynchronous (max staleness {cfg.get('max-staleness', 'auto')})"
     return sched
 
 

@@ -341,8 +341,8 @@ class PGVIStrategy(Strategy):
                         continue
                     staleness = self.state.version - sent_version  # the server's record, not the reply's claim
                     stats.staleness.append(staleness)
-                    if staleness > self.cfg.max_staleness:
-                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.max_staleness})", stats, bad=False)
+                    if staleness > self.cfg.staleness_bound():
+                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.staleness_bound()})", stats, bad=False)
                         continue
                     self._apply_batch(rnd, [d], stats)
             now = time.time()

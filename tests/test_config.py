@@ -50,6 +50,8 @@ BAD = [
     ({"loss": "gce", "loss-delta": 0.0}, "loss-delta", "(0, 1]"),
     ({"loss": "gce", "loss-delta": 1.5}, "loss-delta", "(0, 1]"),
     ({"loss": "gce", "loss-delta": -0.1}, "loss-delta", "(0, 1]"),
+    ({"max-staleness": -1}, "max-staleness", ">= 0"),
+    ({"max-staleness": "never"}, "max-staleness", ""),
     ({"loss-weight": 0.0}, "loss-weight", "greater than 0"),
     ({"loss-weight": -2.0}, "loss-weight", "greater than 0"),
     ({"loss-weight": float("inf")}, "loss-weight", "finite"),

@@ -232,3 +232,18 @@ def test_synthetic_logistic_2d_dataset_runs_end_to_end():
     data = load_full_data(cfg)
     assert data.x_train.shape == (106, 2) and data.x_test.shape == (100, 2)  # 100 clean points + 6 outliers
     assert evaluate_posterior(problem, strategy.state.posterior, data.x_test, data.y_test, 100)["accuracy"] > 0.8
+
+
+def test_asynchronous_default_staleness_scales_with_the_federation():
+    """All M replies of a burst are computed against one posterior and applied one by one, so the last has
+    staleness M - 1.  The default bound ('auto' = M) accepts them all, which makes the burst equal the
+    synchronous round; a fixed bound of 2 rejects every reply after the third (the defect this replaced)."""
+    common = {"num-clients": 8, "min-clients": 8, "num-server-rounds": 3}
+    cfg, strategy, _ = run({**common, "schedule": "asynchronous"})
+    assert cfg.max_staleness == "auto" and cfg.staleness_bound() == 8
+    assert strategy.rejections == []
+    _, sync, _ = run({**common, "schedule": "synchronous"})
+    assert max_natural_diff(strategy.state.posterior, sync.state.posterior) < 1e-12
+    _, starved, _ = run({**common, "schedule": "asynchronous", "max-staleness": 2})
+    stale = [r for r in starved.rejections if "stale update" in r["reason"]]
+    assert len(stale) == 3 * (8 - 3)
