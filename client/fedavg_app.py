@@ -7,6 +7,7 @@ PVI/FedGVI only in the method.  Served by Flower's own ``FedAvg`` strategy (``se
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 import torch
@@ -46,8 +47,11 @@ def train(msg: Message, context: Context) -> Message:
     sgd = SGDConfig(lr=cfg.fedavg_lr, momentum=cfg.fedavg_momentum, weight_decay=cfg.fedavg_weight_decay,
                     epochs=cfg.fedavg_local_epochs, batch_size=cfg.fedavg_batch_size,
                     seed=cfg.seed * 100_003 + partition_id * 1_009 + rnd)
+    start = time.perf_counter()
     trace = sgd_epochs(model, shard.x_train, shard.y_train, sgd)
-    metrics = MetricRecord({"num-examples": len(shard.y_train), "train-loss": trace[-1]})
+    seconds = time.perf_counter() - start
+    metrics = MetricRecord({"num-examples": len(shard.y_train), "train-loss": trace[-1], "client-seconds": seconds,
+                            "epochs": float(len(trace))})
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 
 

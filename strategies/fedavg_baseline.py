@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from common.config import RunConfig
@@ -36,18 +37,33 @@ def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Pat
     model = DeterministicMLP(data.x_train.shape[1], cfg.hidden_sizes, data.num_classes)
     history: list[dict[str, float]] = []
     t0 = time.time()
+    train_stats: dict[str, float] = {}  # this round's client-side figures, added to the round's row
+
+    def train_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:
+        """Flower's weighted average, plus the mean and max of the clients' local-update seconds and epochs
+        under the PGVI rows' names (``client-seconds-mean`` ...), so both methods report the same columns."""
+        train_stats.clear()
+        for key in ("client-seconds", "epochs"):
+            values = [float(r["metrics"][key]) for r in records if "metrics" in r and key in r["metrics"]]
+            if values:
+                name = "client-seconds" if key == "client-seconds" else "client-epochs"
+                train_stats.update({f"{name}-mean": sum(values) / len(values), f"{name}-max": max(values)})
+        return aggregate_metricrecords(records, weighting_key)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.set_arrays({k: v.numpy() for k, v in arrays.to_torch_state_dict().items()})
         m = classification_metrics(predict_probs(model, data.x_test), data.y_test)
         row = {"round": float(server_round), "test-accuracy": m["accuracy"], "test-nll": m["nll"],
                "test-ece": m["ece"], "test-brier": m["brier"], "wall-seconds": time.time() - t0}
+        if server_round > 0:
+            row.update(train_stats)
         recorder.record(server_round, row)
         history.append(row)
         return MetricRecord({k: float(v) for k, v in row.items()})
 
     strategy = FedAvg(fraction_train=cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_clients,
-                      min_evaluate_nodes=0, min_available_nodes=cfg.min_clients)
+                      min_evaluate_nodes=0, min_available_nodes=cfg.min_clients,
+                      train_metrics_aggr_fn=train_metrics)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
                             num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
                             train_config=ConfigRecord({}), evaluate_fn=evaluate)

@@ -100,5 +100,9 @@ def test_fedavg_round_is_the_weighted_average_of_the_clients_local_models(tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0.0, 1.0] and history[-1] == rows[-1]
     assert rows[1]["test-accuracy"] > rows[0]["test-accuracy"] + 0.3  # chance is 0.1
+    # the clients' local-update time and epochs, under the same column names as the PGVI rows
+    assert "client-seconds-mean" not in rows[0]
+    assert 0 < rows[1]["client-seconds-mean"] <= rows[1]["client-seconds-max"]
+    assert rows[1]["client-epochs-mean"] == rows[1]["client-epochs-max"] == 2.0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == "fedavg" and summary["final"]["round"] == 1.0
