@@ -168,6 +168,7 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "run": run_dir.name, "method": cfg.get("method") or run_dir.name.split("-")[0],
         "noise": float(cfg.get("label-noise", 0.0)), "seed": int(cfg.get("seed", 0)),
         "schedule": _schedule_label(cfg), "rounds": int(final["round"]),
+        "budget": _budget_label(cfg), "label": _variant_label(cfg.get("method") or run_dir.name.split("-")[0], cfg),
         "best-accuracy": max(r["test-accuracy"] for r in rows), "final-accuracy": final["test-accuracy"],
         "best-nll": min(r["test-nll"] for r in rows), "final-nll": final["test-nll"],
         "best-ece": min(r["test-ece"] for r in rows), "final-ece": final["test-ece"],
@@ -175,6 +176,26 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "client-seconds-per-round": float(np.mean(secs)) if secs else math.nan,
         "client-epochs-per-round": float(np.mean(epochs)) if epochs else math.nan,
     }
+
+
+def _budget_label(cfg: dict) -> str:
+    """The optimisation budget of a run: server rounds and (at most) local epochs per round."""
+    rounds = int(cfg.get("num-server-rounds", 0))
+    if cfg.get("method") == "fedavg":
+        return f"{rounds} rounds, {int(cfg.get('fedavg-local-epochs', 0))} local epochs (FedAvg)"
+    return f"{rounds} rounds, <= {int(cfg.get('local-epochs', 0))} local epochs"
+
+
+def _variant_label(method: str, cfg: dict) -> str:
+    """The method's name plus what sets this run apart from the method's defaults (the loss weight)."""
+    w = float(cfg.get("loss-weight", 1.0))
+    return LABELS[method] + (f", loss weight {w:g}" if w != 1.0 else "")
+
+
+def _budget_key(row: dict[str, object]) -> tuple[int, int]:
+    """Sort budgets by rounds, then epochs; FedAvg's fixed budget goes with the PGVI budget of its rounds."""
+    nums = [int(t) for t in str(row["budget"]).replace(",", " ").split() if t.isdigit()]
+    return nums[0], (0 if "FedAvg" in str(row["budget"]) else 1)
 
 
 def _schedule_label(cfg: dict) -> str:
@@ -197,32 +218,42 @@ def report_fmnist_noise(exp_dir: Path) -> str:
     if not rows:
         return f"no finished runs in {exp_dir}\n"
     _write_tables(exp_dir, rows)
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     noises = sorted({r["noise"] for r in rows})
+    order = {m: i for i, m in enumerate(METHODS)}
     lines = ["Accuracy (%) on the clean test set, mean ± std over seeds; published = FedGVI paper, best over rounds.",
-             "", "| method | metric | " + " | ".join(f"{round(e * 100)} % noise" for e in noises) + " |",
-             "|---|---|" + "---|" * len(noises)]
-    for m in methods:
-        for metric, scale in (("best-accuracy", 100), ("final-accuracy", 100), ("final-ece", 100), ("final-nll", 1)):
-            cells = []
-            for e in noises:
-                vals = [r[metric] * scale for r in rows if r["method"] == m and r["noise"] == e]
-                cells.append(_mean_std(vals))
-            name = {"best-accuracy": "acc best", "final-accuracy": "acc final", "final-ece": "ECE final (%)",
-                    "final-nll": "NLL final"}[metric]
-            lines.append(f"| {LABELS[m]} | {name} | " + " | ".join(cells) + " |")
-        if m in PUBLISHED:
-            lines.append(f"| {LABELS[m]} | published (best) | "
-                         + " | ".join(f"{PUBLISHED[m].get(e, math.nan):.2f}" for e in noises) + " |")
+             "One table per optimisation budget (FedAvg's runs are listed with the PGVI budget of the same rounds)."]
+    rounds_seen = sorted({_budget_key(r)[0] for r in rows})
+    for rounds in rounds_seen:
+        sel = [r for r in rows if _budget_key(r)[0] == rounds]
+        budgets = " / ".join(sorted({str(r["budget"]) for r in sel}, key=lambda b: "FedAvg" in b))
+        lines += ["", f"**{budgets}**", "",
+                  "| method | metric | " + " | ".join(f"{round(e * 100)} % noise" for e in noises) + " |",
+                  "|---|---|" + "---|" * len(noises)]
+        variants = sorted({(str(r["method"]), str(r["label"])) for r in sel}, key=lambda v: (order[v[0]], v[1]))
+        for m, label in variants:
+            for metric, scale in (("best-accuracy", 100), ("final-accuracy", 100), ("final-ece", 100), ("final-nll", 1)):
+                cells = []
+                for e in noises:
+                    vals = [r[metric] * scale for r in sel if r["label"] == label and r["noise"] == e]
+                    cells.append(_mean_std(vals))
+                name = {"best-accuracy": "acc best", "final-accuracy": "acc final", "final-ece": "ECE final (%)",
+                        "final-nll": "NLL final"}[metric]
+                lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+            if m in PUBLISHED and label == LABELS[m]:
+                lines.append(f"| {label} | published (best) | "
+                             + " | ".join(f"{PUBLISHED[m].get(e, math.nan):.2f}" for e in noises) + " |")
     lines += ["", "| run | rounds | wall s | client local update s/round (mean) | local epochs run/round (mean) |",
               "|---|---|---|---|---|"]
     for r in rows:
         ep = r["client-epochs-per-round"]
         lines.append(f"| {r['run']} | {r['rounds']} | {r['wall-seconds']:.0f} | {r['client-seconds-per-round']:.1f} | "
                      + ("—" if math.isnan(ep) else f"{ep:.2f}") + " |")
-    _plot_curves(exp_dir, rows, group="noise", title="Fashion-MNIST, 3 clients, {} % label noise",
-                 fname="fmnist_noise{}_curves.png")
-    _plot_reliability(exp_dir, rows)
+    for rounds in rounds_seen:
+        sel = [r for r in rows if _budget_key(r)[0] == rounds]
+        tag = "" if rounds == min(rounds_seen) else f"_{rounds}rounds"
+        _plot_curves(exp_dir, sel, group="noise", title=f"Fashion-MNIST, 3 clients, {{}} % label noise, {rounds} rounds",
+                     fname=f"fmnist_noise{{}}{tag}_curves.png")
+        _plot_reliability(exp_dir, sel, tag)
     text = "\n".join(lines) + "\n"
     (exp_dir / "table.md").write_text(text)
     return text
@@ -276,7 +307,7 @@ def _plot_curves(exp_dir: Path, rows: list[dict[str, object]], group: str | None
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
         series: dict[str, list[list[dict[str, float]]]] = {}
         for r in sel:
-            key = LABELS[r["method"]] + (f" ({r['schedule']})" if group is None else "")
+            key = str(r["label"]) + (f" ({r['schedule']})" if group is None else "")
             series.setdefault(key, []).append([x for x in _rows(exp_dir / r["run"]) if x.get("round", 0) >= 1])
         for key, runs in sorted(series.items()):
             n = min(len(x) for x in runs)
@@ -327,8 +358,8 @@ def _test_probs(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarray]:
     return probs.double().numpy(), data.y_test
 
 
-def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]]) -> None:
-    """Reliability diagrams (15 bins) of the final models, seed 0, for each noise level."""
+def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]], tag: str = "") -> None:
+    """Reliability diagrams (15 bins) of the final models, lowest seed, for each noise level."""
     from common.metrics import expected_calibration_error, reliability_bins
 
     plt = _plt()
@@ -346,12 +377,12 @@ def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]]) -> None:
                    edgecolor="k", alpha=0.7, label="accuracy")
             ax.plot([0, 1], [0, 1], "k--", lw=1)
             ax.plot(conf[count > 0], acc[count > 0], "o", ms=3, color="C3", label="(confidence, accuracy)")
-            ax.set_title(f"{LABELS[r['method']]}\nECE {100 * expected_calibration_error(probs, y):.2f} %", fontsize=9)
+            ax.set_title(f"{r['label']}\nECE {100 * expected_calibration_error(probs, y):.2f} %", fontsize=9)
             ax.set_xlabel("confidence")
             ax.set_ylabel("accuracy")
         fig.suptitle(f"Reliability, Fashion-MNIST, {round(eps * 100)} % label noise, seed {sel[0]['seed']}")
         fig.tight_layout()
-        out = IMG / f"fmnist_noise{round(eps * 100):02d}_reliability.png"
+        out = IMG / f"fmnist_noise{round(eps * 100):02d}{tag}_reliability.png"
         fig.savefig(out, dpi=110)
         plt.close(fig)
         print(f"wrote {out}")

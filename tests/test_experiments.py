@@ -28,11 +28,12 @@ def test_every_planned_run_is_a_valid_run_config_with_the_method_settings():
     assert {r.tags["schedule"] for r in runs if r.method == "fedavg" and r.experiment == "fmnist_noniid"} == {"synchronous"}
 
 
-def _fake_run(root, name, method, noise, seed, accs, eces):
+def _fake_run(root, name, method, noise, seed, accs, eces, **extra):
     d = root / name
     d.mkdir(parents=True)
     (d / "run_config.json").write_text(json.dumps({"label-noise": noise, "seed": seed, "schedule": "synchronous",
-                                                   **({"method": "fedavg"} if method == "fedavg" else {})}))
+                                                   "num-server-rounds": len(accs), "local-epochs": 3,
+                                                   **({"method": "fedavg"} if method == "fedavg" else {}), **extra}))
     rows = [{"round": 0.0, "test-accuracy": 0.1, "test-nll": 2.3, "test-ece": 0.0, "test-brier": 0.9}]
     for i, (a, e) in enumerate(zip(accs, eces), start=1):
         rows.append({"round": float(i), "test-accuracy": a, "test-nll": 1.0 / i, "test-ece": e, "test-brier": 0.3,
@@ -59,10 +60,19 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     for seed, final in enumerate([0.80, 0.84, 0.88]):
         _fake_run(tmp_path, f"pvi-noise40-seed{seed}", "pvi", 0.4, seed, [0.5, final], [0.1, 0.1])
     _fake_run(tmp_path, "fedavg-noise40-seed0", "fedavg", 0.4, 0, [0.6, 0.5], [0.2, 0.3])
+    # a variant: another budget and a loss weight gets its own table and its own label, never pooled with PVI
+    _fake_run(tmp_path, "fedgvi-noise40-seed0-long", "fedgvi", 0.4, 0, [0.5, 0.7, 0.9], [0.1, 0.1, 0.05],
+              **{"loss-weight": 10.0, "local-epochs": 5})
     text = E.report_fmnist_noise(tmp_path)
+    assert "**2 rounds, <= 3 local epochs / 2 rounds, 0 local epochs (FedAvg)**" in text
+    assert "**3 rounds, <= 5 local epochs**" in text
+    long_table = text.split("**3 rounds, <= 5 local epochs**")[1].split("| run |")[0]
+    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 | acc final | 90.00 (1 seed) |" in long_table
+    assert "PVI" not in long_table and "published" not in long_table
     row = next(line for line in text.splitlines() if line.startswith("| PVI | acc final"))
     assert f"{84.0:.2f} ± {np.std([80, 84, 88], ddof=1):.2f} (3 seeds)" in row
     assert "| FedAvg | acc best | 60.00 (1 seed) |" in text
     assert "| PVI | published (best) | 82.81 |" in text
-    assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 4
+    assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 5
     assert (tmp_path / "img" / "fmnist_noise40_curves.png").stat().st_size > 1000
+    assert (tmp_path / "img" / "fmnist_noise40_3rounds_curves.png").stat().st_size > 1000
