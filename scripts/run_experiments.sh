@@ -31,4 +31,19 @@ wait
   $E fmnist-noise --noise 0.1 --seeds 1 --methods fedgvi pvi fedavg
 ) > runs/experiments/lane-y.log 2>&1 &
 wait
+# FedGVI with the loss weight 10 of the reference BNN code (it sums the GCE over its 10 MC samples)
+$E fmnist-noise --noise 0.4 --seeds 0 1 --methods fedgvi --suffix=-w10 -c loss-weight=10 > runs/experiments/lane-w.log 2>&1
+# the 25 rounds at 40 % noise, up to 5 local epochs (patience 2): FedGVI (loss weight 10) against PVI
+LONG="-c num-server-rounds=25 -c local-epochs=5 -c patience=2"
+(
+  $E fmnist-noise --noise 0.4 --seeds 0 2 --methods fedgvi --suffix=-w10-long $LONG -c loss-weight=10
+  $E fmnist-noise --noise 0.4 --seeds 1 --methods pvi --suffix=-long $LONG
+) > runs/experiments/lane-l1.log 2>&1 &
+(
+  $E fmnist-noise --noise 0.4 --seeds 1 --methods fedgvi --suffix=-w10-long $LONG -c loss-weight=10
+  $E fmnist-noise --noise 0.4 --seeds 0 2 --methods pvi --suffix=-long $LONG
+) > runs/experiments/lane-l2.log 2>&1 &
+wait
+# the asynchronous schedule with the default max-staleness ('auto' = M)
+$E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 > runs/experiments/lane-async.log 2>&1
 $E report
