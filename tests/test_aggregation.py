@@ -15,7 +15,6 @@ from scipy import stats
 from common.aggregation import (
     AGGREGATORS,
     Aggregator,
-    Median,
     NormClip,
     TrimmedMean,
     check_batch,

@@ -783,7 +783,6 @@ def test_batch_of_faulty_and_valid_replies(data):
     s = fresh(setup)
     n = data.draw(st.integers(1, 6), label="batch size")
     replies, outcomes, cids = [], [], []
-    valid_by_cid: dict[str, list[dict[str, torch.Tensor]]] = {}
     for _ in range(n):
         case = Case(s, data.draw(st.sampled_from(sorted(s.node_client)), label="node"), data)
         content = harmless(case, case.valid_arrays(s.rho))  # rho = 1/3: any <= 3 clients are jointly proper
