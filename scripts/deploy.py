@@ -526,24 +526,24 @@ class Deployment:
         name = role if index is None else f"{role}-{index}"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.logs_dir / f"{name}.log"
-        with open(log_path, "ab") as fh:
-            fh.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n".encode())
-            fh.flush()
-            popen = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env=self._env(home),
-                cwd=str(self.run_dir),
-                start_new_session=True,  # own process group: killpg reaches its children
-            )
+        popen = self._popen_logged(cmd, log_path, f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} $ ", home,
+                                   self.run_dir, append=True)
         info = ProcInfo(role, index, popen.pid, cmd, str(log_path), time.time(), popen)
         self.procs = [p for p in self.procs if not (p.role == role and p.index == index)]
         self.procs.append(info)
         self._save_state()
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
         return info
+
+    def _popen_logged(self, cmd: list[str], log_path: Path, header: str, home: Path, cwd: Path,
+                      append: bool) -> subprocess.Popen:
+        """Start ``cmd`` in its own process group (so ``killpg`` reaches its children), its output going to
+        ``log_path`` after a header line with the command."""
+        with open(log_path, "ab" if append else "wb") as fh:
+            fh.write(f"{header}{' '.join(cmd)}\n".encode())
+            fh.flush()
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                    env=self._env(home), cwd=str(cwd), start_new_session=True)
 
     def _proc(self, role: str, index: int | None = None) -> ProcInfo | None:
         for p in self.procs:
@@ -1046,26 +1046,15 @@ class Deployment:
         for arg in run_config_args:
             cmd += ["--run-config", arg]
         t0 = time.monotonic()
-        with open(log_path, "wb") as fh:
-            fh.write(f"$ {' '.join(cmd)}\n".encode())
-            fh.flush()
-            popen = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env=self._env(self.cli_home),
-                cwd=str(self.app_dir),
-                start_new_session=True,
-            )
-            rc: int | None
-            try:
-                rc = popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(popen.pid, signal.SIGKILL)
-                popen.wait()
+        popen = self._popen_logged(cmd, log_path, "$ ", self.cli_home, self.app_dir, append=False)
+        rc: int | None
+        try:
+            rc = popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
         text = _ANSI.sub("", Path(log_path).read_text(errors="replace"))
         ids = _RUN_STARTED.findall(text)
         run_id = int(ids[-1]) if ids else None
