@@ -225,22 +225,28 @@ def report_fmnist_noise(exp_dir: Path) -> str:
     rounds_seen = sorted({_budget_key(r)[0] for r in rows})
     for rounds in rounds_seen:
         sel = [r for r in rows if _budget_key(r)[0] == rounds]
-        budgets = " / ".join(sorted({str(r["budget"]) for r in sel}, key=lambda b: "FedAvg" in b))
+        budgets = " / ".join(sorted({str(r["budget"]) for r in sel},
+                                    key=lambda b: ("FedAvg" in b, [int(t) for t in b.split() if t.isdigit()])))
         lines += ["", f"**{budgets}**", "",
                   "| method | metric | " + " | ".join(f"{round(e * 100)} % noise" for e in noises) + " |",
                   "|---|---|" + "---|" * len(noises)]
-        variants = sorted({(str(r["method"]), str(r["label"])) for r in sel}, key=lambda v: (order[v[0]], v[1]))
-        for m, label in variants:
+        # a row per (variant, budget); the budget is spelled out when one table holds several PGVI budgets
+        several = len({r["budget"] for r in sel if r["method"] != "fedavg"}) > 1
+        variants = sorted({(str(r["method"]), str(r["label"]), str(r["budget"])) for r in sel},
+                          key=lambda v: (order[v[0]], v[1], v[2]))
+        for m, label, budget in variants:
+            shown = f"{label} [{budget.split(', ', 1)[1]}]" if several and m != "fedavg" else label
             for metric, scale in (("best-accuracy", 100), ("final-accuracy", 100), ("final-ece", 100), ("final-nll", 1)):
                 cells = []
                 for e in noises:
-                    vals = [r[metric] * scale for r in sel if r["label"] == label and r["noise"] == e]
+                    vals = [r[metric] * scale for r in sel
+                            if r["label"] == label and r["budget"] == budget and r["noise"] == e]
                     cells.append(_mean_std(vals))
                 name = {"best-accuracy": "acc best", "final-accuracy": "acc final", "final-ece": "ECE final (%)",
                         "final-nll": "NLL final"}[metric]
-                lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
-            if m in PUBLISHED and label == LABELS[m]:
-                lines.append(f"| {label} | published (best) | "
+                lines.append(f"| {shown} | {name} | " + " | ".join(cells) + " |")
+            if m in PUBLISHED:
+                lines.append(f"| {shown} | published (best) | "
                              + " | ".join(f"{PUBLISHED[m].get(e, math.nan):.2f}" for e in noises) + " |")
     lines += ["", "| run | rounds | wall s | client local update s/round (mean) | local epochs run/round (mean) |",
               "|---|---|---|---|---|"]

@@ -63,16 +63,21 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     # a variant: another budget and a loss weight gets its own table and its own label, never pooled with PVI
     _fake_run(tmp_path, "fedgvi-noise40-seed0-long", "fedgvi", 0.4, 0, [0.5, 0.7, 0.9], [0.1, 0.1, 0.05],
               **{"loss-weight": 10.0, "local-epochs": 5})
+    _fake_run(tmp_path, "fedgvi-noise40-seed0-e20", "fedgvi", 0.4, 0, [0.5, 0.7, 0.95], [0.1, 0.1, 0.05],
+              **{"loss-weight": 10.0, "local-epochs": 20})
     text = E.report_fmnist_noise(tmp_path)
     assert "**2 rounds, <= 3 local epochs / 2 rounds, 0 local epochs (FedAvg)**" in text
-    assert "**3 rounds, <= 5 local epochs**" in text
-    long_table = text.split("**3 rounds, <= 5 local epochs**")[1].split("| run |")[0]
-    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 | acc final | 90.00 (1 seed) |" in long_table
-    assert "PVI" not in long_table and "published" not in long_table
+    assert "**3 rounds, <= 5 local epochs / 3 rounds, <= 20 local epochs**" in text
+    long_table = text.split("**3 rounds, <= 5 local epochs / 3 rounds, <= 20 local epochs**")[1].split("| run |")[0]
+    # two epoch budgets with the same rounds: two rows, never pooled into one cell
+    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs] | acc final | 90.00 (1 seed) |" in long_table
+    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 20 local epochs] | acc final | 95.00 (1 seed) |" in long_table
+    assert "PVI" not in long_table
+    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs] | published (best) | 87.21 |" in long_table
     row = next(line for line in text.splitlines() if line.startswith("| PVI | acc final"))
     assert f"{84.0:.2f} ± {np.std([80, 84, 88], ddof=1):.2f} (3 seeds)" in row
     assert "| FedAvg | acc best | 60.00 (1 seed) |" in text
     assert "| PVI | published (best) | 82.81 |" in text
-    assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 5
+    assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 6
     assert (tmp_path / "img" / "fmnist_noise40_curves.png").stat().st_size > 1000
     assert (tmp_path / "img" / "fmnist_noise40_3rounds_curves.png").stat().st_size > 1000
