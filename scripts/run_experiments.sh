@@ -44,6 +44,11 @@ LONG="-c num-server-rounds=25 -c local-epochs=5 -c patience=2"
   $E fmnist-noise --noise 0.4 --seeds 0 2 --methods pvi --suffix=-long $LONG
 ) > runs/experiments/lane-l2.log 2>&1 &
 wait
+# FedGVI with up to 20 local epochs (patience 3), and FedAvg, over the same 25 rounds
+$E fmnist-noise --noise 0.4 --seeds 0 --methods fedgvi --suffix=-w10-e20 -c num-server-rounds=25 -c local-epochs=20 \
+    -c patience=3 -c loss-weight=10 > runs/experiments/lane-e20.log 2>&1 &
+$E fmnist-noise --noise 0.4 --seeds 0 1 2 --methods fedavg --suffix=-long -c num-server-rounds=25 > runs/experiments/lane-fa.log 2>&1 &
+wait
 # the asynchronous schedule with the default max-staleness ('auto' = M)
 $E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 > runs/experiments/lane-async.log 2>&1
 $E report
