@@ -233,7 +233,7 @@ def report_fmnist_noise(exp_dir: Path) -> str:
         # a row per (variant, budget); the budget is spelled out when one table holds several PGVI budgets
         several = len({r["budget"] for r in sel if r["method"] != "fedavg"}) > 1
         variants = sorted({(str(r["method"]), str(r["label"]), str(r["budget"])) for r in sel},
-                          key=lambda v: (order[v[0]], v[1], v[2]))
+                          key=lambda v: (order[v[0]], v[1], [int(t) for t in v[2].split() if t.isdigit()]))
         for m, label, budget in variants:
             shown = f"{label} [{budget.split(', ', 1)[1]}]" if several and m != "fedavg" else label
             for metric, scale in (("best-accuracy", 100), ("final-accuracy", 100), ("final-ece", 100), ("final-nll", 1)):
