@@ -192,6 +192,14 @@ def _variant_label(method: str, cfg: dict) -> str:
     return LABELS[method] + (f", loss weight {w:g}" if w != 1.0 else "")
 
 
+def _shown_label(row: dict[str, object], several_budgets: bool) -> str:
+    """A run's label in a table row or a plot legend: the epoch cap is added when the same table or plot holds
+    several PGVI budgets, so that runs of different budgets are never averaged together."""
+    if several_budgets and row["method"] != "fedavg":
+        return f"{row['label']} [{str(row['budget']).split(', ', 1)[1]}]"
+    return str(row["label"])
+
+
 def _budget_key(row: dict[str, object]) -> tuple[int, int]:
     """Sort budgets by rounds, then epochs; FedAvg's fixed budget goes with the PGVI budget of its rounds."""
     nums = [int(t) for t in str(row["budget"]).replace(",", " ").split() if t.isdigit()]
@@ -235,7 +243,7 @@ def report_fmnist_noise(exp_dir: Path) -> str:
         variants = sorted({(str(r["method"]), str(r["label"]), str(r["budget"])) for r in sel},
                           key=lambda v: (order[v[0]], v[1], [int(t) for t in v[2].split() if t.isdigit()]))
         for m, label, budget in variants:
-            shown = f"{label} [{budget.split(', ', 1)[1]}]" if several and m != "fedavg" else label
+            shown = _shown_label({"label": label, "budget": budget, "method": m}, several)
             for metric, scale in (("best-accuracy", 100), ("final-accuracy", 100), ("final-ece", 100), ("final-nll", 1)):
                 cells = []
                 for e in noises:
@@ -310,10 +318,11 @@ def _plot_curves(exp_dir: Path, rows: list[dict[str, object]], group: str | None
     groups = sorted({r[group] for r in rows}) if group else [None]
     for g in groups:
         sel = [r for r in rows if group is None or r[group] == g]
+        several = len({r.get("budget") for r in sel if r["method"] != "fedavg"}) > 1
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
         series: dict[str, list[list[dict[str, float]]]] = {}
         for r in sel:
-            key = str(r["label"]) + (f" ({r['schedule']})" if group is None else "")
+            key = _shown_label(r, several) + (f" ({r['schedule']})" if group is None else "")
             series.setdefault(key, []).append([x for x in _rows(exp_dir / r["run"]) if x.get("round", 0) >= 1])
         for key, runs in sorted(series.items()):
             n = min(len(x) for x in runs)
@@ -327,9 +336,11 @@ def _plot_curves(exp_dir: Path, rows: list[dict[str, object]], group: str | None
             ax.set_xlabel("server round")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
+        handles, labels = axes[0].get_legend_handles_labels()
+        ncol = 2 if len(labels) > 1 else 1
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
         fig.suptitle(title.format(round(g * 100)) if g is not None else title)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.04 + 0.05 * ((len(labels) + ncol - 1) // ncol), 1, 1))
         out = IMG / (fname.format(f"{round(g * 100):02d}") if g is not None else fname)
         fig.savefig(out, dpi=110)
         plt.close(fig)

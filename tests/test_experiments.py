@@ -81,3 +81,9 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 6
     assert (tmp_path / "img" / "fmnist_noise40_curves.png").stat().st_size > 1000
     assert (tmp_path / "img" / "fmnist_noise40_3rounds_curves.png").stat().st_size > 1000
+    # the plot legend uses the same split labels as the table
+    rows = json.loads((tmp_path / "results.json").read_text())
+    long_rows = [r for r in rows if r["rounds"] == 3]
+    assert sorted(E._shown_label(r, True) for r in long_rows) == [
+        "FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 20 local epochs]",
+        "FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs]"]
