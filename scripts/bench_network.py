@@ -46,6 +46,7 @@ Run from the repository root::
 
     .venv/bin/python scripts/bench_network.py                  # all three parts (about 35 min on 2 shared cores)
     .venv/bin/python scripts/bench_network.py --network --rounds 2 --local-epochs 20
+    .venv/bin/python scripts/bench_network.py --network --warm-workers   # a warm compute worker per node
     .venv/bin/python scripts/bench_network.py --client-rss --fresh-client-venv
     .venv-cpu/bin/python scripts/bench_network.py --simulation    # the simulation from another venv (CPU torch)
 
@@ -158,6 +159,8 @@ def _role(cmd: list[str]) -> str:
         return "ray-raylet"
     if os.path.basename(cmd[0]) == "gcs_server":
         return "ray-gcs"
+    if "client.warm_worker" in cmd[:4]:
+        return "warm-worker"
     for arg in cmd[:3]:
         base = os.path.basename(arg)
         if base in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
@@ -523,12 +526,13 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
 
     extra = {} if args.poll_interval is None else {"superexec_poll_interval": args.poll_interval}
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
-                         **extra) as dep:
+                         warm_workers=args.warm_workers, **extra) as dep:
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup
         print(f"{args.clients} SuperNodes online after {result['setup-seconds']:.1f}s (TLS on, isolation "
-              f"{dep.isolation}, node config torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL="
+              f"{dep.isolation}, warm compute workers {'ON' if dep.warm_workers else 'off'}, "
+              f"node config torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL="
               f"{dep.superexec_poll_interval}, SuperLink --database "
               f"{':flwr-in-memory:' if args.superlink_db == 'memory' else dep.run_dir / 'superlink' / 'state.db'})",
               flush=True)
@@ -581,8 +585,13 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
         wall = t1 - t0
         cs_max, cs_mean = r.get("client-seconds-max", float("nan")), r.get("client-seconds-mean", float("nan"))
         started = [p for p in clientapps if t0 < p.start <= t1]
-        apps = [p for p in started if p.rss_peak > 300 * MB]  # loaded torch: ran the ClientApp
-        life = [p.active_end - p.start for p in apps]
+        if args.warm_workers:  # the ClientApp never loads torch: it waits on its worker, so it ends at exit
+            apps = started
+            end = {p.pid: p.last_seen for p in apps}
+        else:
+            apps = [p for p in started if p.rss_peak > 300 * MB]  # loaded torch: ran the ClientApp
+            end = {p.pid: p.active_end for p in apps}
+        life = [end[p.pid] - p.start for p in apps]
         cpu = sampler.cpu_by_role(t0, t1)
         ours = sum(cpu.values())
         machine = sampler.machine_cpu_between(t0, t1)
@@ -598,7 +607,7 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
             "clientapps": len(apps), "clientapps-without-torch": len(started) - len(apps),
             "clientapp-linger-max-s": max((p.last_seen - p.active_end for p in apps), default=float("nan")),
             "dispatch-s": (apps[0].start - t0) if apps else float("nan"),
-            "tail-s": (t1 - max(p.active_end for p in apps)) if apps else float("nan"),
+            "tail-s": (t1 - max(end.values())) if apps else float("nan"),
             "clientapp-life-mean-s": sum(life) / len(life) if life else float("nan"),
             "clientapp-life-max-s": max(life) if life else float("nan"),
             "in-app-non-step-mean-s": (sum(life) / len(life) - cs_mean) if life else float("nan"),
@@ -638,8 +647,12 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
         [[p["round"], *[p["cpu-s-by-role"].get(k, 0.0) for k in roles], p["cpu-s-ours"], p["cpu-s-other-work"],
           p["cpu-s-machine"], cores * p["wall-s"]] for p in per_round],
     ))  # fmt: skip
-    print("\nflwr-clientapp processes per round: 'ran' = imported torch and ran the ClientApp; 'aborted' = started "
-          "but never loaded the app (RSS < 300 MB)")
+    if args.warm_workers:
+        print("\nflwr-clientapp processes per round (warm workers: every started ClientApp counts as 'ran'; its "
+              "life is start -> exit, most of it waiting for its worker)")
+    else:
+        print("\nflwr-clientapp processes per round: 'ran' = imported torch and ran the ClientApp; 'aborted' = "
+              "started but never loaded the app (RSS < 300 MB)")
     print(table(["round", "ran", "aborted", "life mean (start->CPU idle)", "life max", "linger after CPU idle max",
                  "CPU s mean"],
                 [[p["round"], p["clientapps"], p["clientapps-without-torch"], p["clientapp-life-mean-s"],
@@ -933,6 +946,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 1: SuperLink state in Deployment's SQLite file (default) or :flwr-in-memory:")
     ap.add_argument("--poll-interval", type=float, default=None,
                     help="part 1: FLWR_SUPEREXEC_TASK_POLL_INTERVAL (default: Deployment's, 0.1 s)")
+    ap.add_argument("--warm-workers", action="store_true",
+                    help="part 1 with a warm compute worker per SuperNode (Deployment(warm_workers=True))")
     ap.add_argument("--sim-clients", type=int, default=1000)
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)

@@ -26,6 +26,7 @@ CLI::
     python scripts/deploy.py up     --run-dir runs/deploy --nodes 3 [--run -c 'num-server-rounds=2']
     python scripts/deploy.py up     ... --no-auth      # TLS without SuperNode authentication (warns)
     python scripts/deploy.py up     ... --insecure     # no TLS, no authentication (warns)
+    python scripts/deploy.py up     ... --warm-workers # a warm compute worker per node (torch loaded once)
     python scripts/deploy.py run    --run-dir runs/deploy [-c 'k=v' ...]
     python scripts/deploy.py status --run-dir runs/deploy
     python scripts/deploy.py down   --run-dir runs/deploy
@@ -353,6 +354,10 @@ class Deployment:
         (e.g. ``{1: {"fault": "nan@2"}}``); see :meth:`node_config_for`, :meth:`set_node_config`.
     superexec_poll_interval:
         ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` for all processes (Flower default 1 s).
+    warm_workers:
+        Start a warm compute worker (``python -m client.warm_worker``) next to every SuperNode and point
+        the node at it (node config ``compute-worker``): torch, the data shard and the problem are then
+        loaded once per node instead of once per message.
     env:
         Extra environment for every process.
     """
@@ -379,6 +384,7 @@ class Deployment:
         env: Mapping[str, str] | None = None,
         bin_dir: str | os.PathLike[str] | None = None,
         superlink_state: str = "sqlite",
+        warm_workers: bool = False,
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
@@ -423,6 +429,7 @@ class Deployment:
         # keeps node registrations); "memory": Flower's in-memory LinkState (no SQLite write lock, so no
         # "database is locked" under heavy load; everything is lost when the SuperLink stops)
         self.superlink_state = superlink_state
+        self.warm_workers = warm_workers
         self.extra_env = dict(env or {})
         self.bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent
         self.token = secrets.token_hex(8)
@@ -457,6 +464,33 @@ class Deployment:
         if not 0 <= k < self.num_nodes:
             raise ValueError(f"node index k must be in [0, {self.num_nodes}), got {k}")
 
+    def worker_socket(self, k: int) -> Path:
+        """Node ``k``'s warm-worker socket (its directory is private to the worker)."""
+        return self.run_dir / "workers" / str(k) / "w.sock"
+
+    def _spawn_worker(self, k: int) -> ProcInfo:
+        threads = str(self.node_config_for(k).get("torch-threads", 1))
+        return self._spawn("warm-worker", k, [self._bin("python"), "-m", "client.warm_worker", "--socket",
+                                              str(self.worker_socket(k)), "--torch-threads", threads],
+                           self.run_dir / "homes" / f"worker-{k}")
+
+    def _wait_worker(self, k: int, info: ProcInfo, timeout: float) -> None:
+        sock = self.worker_socket(k)
+        deadline = time.monotonic() + timeout
+        while not (sock.exists() and Path(str(sock) + ".key").exists()):
+            if not self._alive(info):
+                raise DeploymentError(f"warm-worker-{k} exited (rc={self._returncode(info)}):\n{_tail(info.log_path)}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"warm-worker-{k} not listening on {sock} after {timeout:.0f}s")
+            time.sleep(0.1)
+
+    def start_worker(self, k: int, timeout: float = 300.0) -> ProcInfo:
+        """Start node ``k``'s warm compute worker and wait until it listens."""
+        self._check_index(k)
+        info = self._spawn_worker(k)
+        self._wait_worker(k, info, timeout)
+        return info
+
     def node_config_for(self, k: int) -> dict[str, Any]:
         """The node config SuperNode ``k`` is started with: defaults < shared < per-node entries."""
         self._check_index(k)
@@ -465,6 +499,7 @@ class Deployment:
             "num-partitions": self.num_nodes,
             "client-id": self.node_name(k),
             "state-dir": str(self.node_state_dir(k)),
+            **({"compute-worker": str(self.worker_socket(k))} if self.warm_workers else {}),
             **self.node_config,
             **self.node_configs.get(k, {}),
         }
@@ -748,6 +783,10 @@ class Deployment:
                         self.node_ids[k] = nid
                         log.info("registered %s as node %s", self.node_name(k), nid)
                 self._save_state()
+            if self.warm_workers:  # all workers import torch at once, then every node starts
+                workers = [self._spawn_worker(k) for k in range(self.num_nodes)]
+                for k, info in enumerate(workers):
+                    self._wait_worker(k, info, timeout=max(timeout, 300.0))
             for k in range(self.num_nodes):
                 self.start_node(k)
         except BaseException:
@@ -817,6 +856,9 @@ class Deployment:
         port = self.node_ports[k]
         self.node_state_dir(k).mkdir(parents=True, exist_ok=True)
         node_cfg = self.node_config_for(k)
+        worker = self._proc("warm-worker", k)
+        if self.warm_workers and (worker is None or not self._alive(worker)):
+            self.start_worker(k)
         cmd = [
             self._bin("flower-supernode"),
             *self._tls_client_args(),
@@ -1245,6 +1287,9 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--superlink-state", choices=("sqlite", "memory"), default="sqlite",
                     help="sqlite: durable state.db (default); memory: Flower's in-memory state, no SQLite "
                          "locking under load, lost when the SuperLink stops")
+    up.add_argument("--warm-workers", action="store_true",
+                    help="a warm compute worker per SuperNode (client/warm_worker.py): torch and the data are "
+                         "loaded once per node, not once per message")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait until online")
     up.add_argument("--run", action="store_true", help="then run the app (flwr run --stream)")
     up.add_argument("-c", "--run-config", action="append", default=[], help="passed to flwr run")
@@ -1325,6 +1370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_configs=_parse_per_node(args.node_config_for),
             superexec_poll_interval=args.poll_interval,
             superlink_state=args.superlink_state,
+            warm_workers=args.warm_workers,
         )
         old = Path(args.run_dir).resolve() / STATE_FILE
         if old.exists():

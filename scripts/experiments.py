@@ -187,9 +187,12 @@ def _budget_label(cfg: dict) -> str:
 
 
 def _variant_label(method: str, cfg: dict) -> str:
-    """The method's name plus what sets this run apart from the method's defaults (the loss weight)."""
+    """The method's name plus what sets this run apart from the method's defaults (loss weight, learning rate)."""
     w = float(cfg.get("loss-weight", 1.0))
-    return LABELS[method] + (f", loss weight {w:g}" if w != 1.0 else "")
+    label = LABELS[method] + (f", loss weight {w:g}" if w != 1.0 else "")
+    if method != "fedavg" and float(cfg.get("lr", FMNIST_BASE["lr"])) != FMNIST_BASE["lr"]:
+        label += f", lr {float(cfg['lr']):g}"
+    return label
 
 
 def _shown_label(row: dict[str, object], several_budgets: bool) -> str:
@@ -264,7 +267,7 @@ def report_fmnist_noise(exp_dir: Path) -> str:
                      + ("—" if math.isnan(ep) else f"{ep:.2f}") + " |")
     for rounds in rounds_seen:
         sel = [r for r in rows if _budget_key(r)[0] == rounds]
-        tag = "" if rounds == min(rounds_seen) else f"_{rounds}rounds"
+        tag = "" if rounds == FMNIST_BASE["num-server-rounds"] else f"_{rounds}rounds"  # stable file names
         _plot_curves(exp_dir, sel, group="noise", title=f"Fashion-MNIST, 3 clients, {{}} % label noise, {rounds} rounds",
                      fname=f"fmnist_noise{{}}{tag}_curves.png")
         _plot_reliability(exp_dir, sel, tag)

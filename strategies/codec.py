@@ -9,8 +9,12 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
+from typing import TYPE_CHECKING
+
 from common.errors import ShapeMismatchError
-from common.families import GaussianFactor
+
+if TYPE_CHECKING:  # the ClientApp imports this module; it must not pull in torch
+    from common.families import GaussianFactor
 
 _FLOAT_DTYPES = {"float32", "float64", "<f4", "<f8"}
 

@@ -139,3 +139,24 @@ def test_killed_client_does_not_stop_the_run(deployment, tmp_path):
     cfg = parse_run_config({**DEPLOY_RUN, **overrides})
     expected = expected_posterior(cfg, versions)
     assert max_natural_diff(expected.from_numpy(result["post"]), expected) < 1e-6
+
+
+def test_warm_workers_serve_every_update_and_match_inprocess(tmp_path):
+    """``Deployment(warm_workers=True)``: a warm compute worker per node computes every train message;
+    the posterior equals the in-process run's and the closed form, and stop() leaves nothing running."""
+    dep = Deployment(2, run_dir=tmp_path / "dep", warm_workers=True, **free_port_kwargs(2))
+    try:
+        dep.start()
+        dep.wait_online(timeout=180)
+        overrides = {"num-clients": 2, "min-clients": 2}
+        post, summary = _run(dep, overrides, tmp_path / "out")
+    finally:
+        dep.stop()
+    assert dep.leftover_processes() == []
+    assert not any(dep.worker_socket(k).exists() for k in range(2))  # the workers cleaned up
+    served = [Path(dep.logs_dir / f"warm-worker-{k}.log").read_text().count("served in") for k in range(2)]
+    assert served == [DEPLOY_RUN["num-server-rounds"]] * 2, served
+    cfg, strategy, _ = run({"dtype": "float64", "num-server-rounds": 3, **overrides})
+    assert summary["ledger-versions"] == strategy.ledger_versions
+    for k, v in strategy.state.posterior.to_numpy().items():
+        np.testing.assert_allclose(post[k], v, rtol=0, atol=1e-6 * max(1.0, float(np.abs(v).max())))

@@ -54,6 +54,14 @@ def test_summarise_reports_best_over_rounds_and_final_round_separately(tmp_path)
     assert E.summarise(d) is None  # an unfinished run is not reported
 
 
+def test_variant_label_names_loss_weight_and_learning_rate_when_not_default():
+    assert E._variant_label("pvi", {"lr": E.FMNIST_BASE["lr"]}) == "PVI"
+    assert E._variant_label("fedgvi", {"loss-weight": 50.0, "lr": 0.003}) == (
+        "FedGVI (GCE 0.8 + AR 2.5), loss weight 50, lr 0.003")
+    assert E._variant_label("pvi", {"lr": 0.003}) == "PVI, lr 0.003"
+    assert E._variant_label("fedavg", {"lr": 0.003, "fedavg-lr": 0.1}) == "FedAvg"  # FedAvg has its own lr
+
+
 def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     monkeypatch.setattr(E, "IMG", tmp_path / "img")
     monkeypatch.setattr(E, "_plot_reliability", lambda *a: None)  # needs real posteriors
@@ -79,8 +87,10 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     assert "| FedAvg | acc best | 60.00 (1 seed) |" in text
     assert "| PVI | published (best) | 82.81 |" in text
     assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 6
-    assert (tmp_path / "img" / "fmnist_noise40_curves.png").stat().st_size > 1000
+    # file names depend on the rounds only (the base budget of 10 rounds has no tag), not on which runs exist
+    assert (tmp_path / "img" / "fmnist_noise40_2rounds_curves.png").stat().st_size > 1000
     assert (tmp_path / "img" / "fmnist_noise40_3rounds_curves.png").stat().st_size > 1000
+    assert not (tmp_path / "img" / "fmnist_noise40_curves.png").exists()
     # the plot legend uses the same split labels as the table
     rows = json.loads((tmp_path / "results.json").read_text())
     long_rows = [r for r in rows if r["rounds"] == 3]

@@ -1,0 +1,65 @@
+"""The request a PGVI node serves for one train or evaluate message, as plain Python and numpy.
+
+No torch here: ``client/app.py`` (started by Flower for every message) builds a :class:`Request` and either
+computes it in its own process or sends it to the node's warm compute worker; both run
+``client.pgvi_client.handle``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.client_state import ClientState
+from common.config import RunConfig, parse_run_config
+from common.errors import PGVIError
+
+Scalar = bool | bytes | float | int | str
+
+
+@dataclass
+class Request:
+    """Everything one train or evaluate message needs, as plain Python and numpy (picklable).
+
+    ``arrays`` are keyed by name: the posterior's under ``posterior``, the ledger's copy of the site (resync
+    only) under ``site``.  ``state`` is the client's state before the message; ``fault`` the test-only fault
+    mode for this round ('' = none).
+    """
+
+    kind: str  # "train" | "evaluate"
+    run_config: dict[str, Scalar]
+    node_config: dict[str, Scalar]
+    posterior: dict[str, np.ndarray]
+    config: dict[str, Scalar]
+    site: dict[str, np.ndarray] | None = None
+    state: ClientState = field(default_factory=ClientState)
+    fault: str = ""
+
+
+@dataclass
+class Result:
+    """The reply's content: Delta (empty when the status is not ok) and metrics, and the client's new state."""
+
+    delta: dict[str, np.ndarray]
+    metrics: dict[str, Scalar]
+    state: ClientState
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault injection to make a reply disappear."""
+
+
+def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar]) -> tuple[RunConfig, int, str]:
+    """The validated run config as this node runs it (node-level ``batch-size``), its partition and client id."""
+    cfg = parse_run_config(dict(run_config))
+    partition_id = int(node_config.get("partition-id", 0))
+    if "num-partitions" in node_config and int(node_config["num-partitions"]) != cfg.num_clients:
+        raise PGVIError(
+            f"node config num-partitions={node_config['num-partitions']} disagrees with run config "
+            f"num-clients={cfg.num_clients}"
+        )
+    if "batch-size" in node_config:
+        cfg = cfg.model_copy(update={"batch_size": int(node_config["batch-size"])})
+    client_id = str(node_config.get("client-id", f"site-{partition_id}"))
+    return cfg, partition_id, client_id

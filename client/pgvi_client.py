@@ -1,0 +1,135 @@
+"""The PGVI client's computation: ``PGVIClient`` (a NumPyClient) and the two requests a node serves.
+
+This is the torch side of the ClientApp.  ``client/app.py`` turns Flower messages into a plain request
+(run config, node config, arrays, message config, the client's state) and hands it either to
+:func:`handle` in its own process or to the node's warm compute worker (``client/warm_worker.py``), which
+calls the same :func:`handle` with torch, the data shard and the problem already loaded.
+
+``PGVIClient.fit`` receives the posterior's natural parameters (as a list in the order of ``names``),
+reconciles its site with the server's ledger, forms the cavity, runs the local GVI step and returns the
+damped Delta; ``evaluate`` scores the posterior predictive on the client's local test split.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+from flwr.client import NumPyClient
+
+from common import protocol as P
+from common.client_state import ClientState
+from common.client_update import client_step
+from common.config import RunConfig
+from common.errors import PGVIError
+from common.evaluation import evaluate_posterior
+from common.problem import ArraysSplit, Problem, build_problem, client_shard
+
+from client.node_request import InjectedFault, Request, Result, Scalar, node_run_config
+
+
+class PGVIClient(NumPyClient):
+    """One PGVI client: its data shard, its state (site + pending update) and the shared problem."""
+
+    def __init__(self, problem: Problem, shard: ArraysSplit, client_id: str, state: ClientState) -> None:
+        self.problem = problem
+        self.shard = shard
+        self.client_id = client_id
+        self.state = state
+        self.names = list(problem.prior.params)
+        self.x, self.y = problem.tensors(shard.x_train, shard.y_train)
+
+    def _factor(self, arrays: list[np.ndarray]):
+        if len(arrays) != len(self.names):
+            raise PGVIError(f"expected {len(self.names)} arrays, got {len(arrays)}")
+        return self.problem.prior.from_numpy(dict(zip(self.names, arrays)))
+
+    def _reply(self, status: str, base: int, config: dict[str, Scalar], reason: str = "") -> dict[str, Scalar]:
+        return {
+            "client-id": self.client_id,
+            "status": status,
+            "reason": reason[:500],
+            "base-site-version": base,
+            "posterior-version": int(config.get("posterior-version", -1)),
+        }
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[list[np.ndarray], int, dict[str, Scalar]]:
+        """``parameters``: posterior arrays, then (if ``config['has-site']``) the ledger's site arrays."""
+        n = len(self.names)
+        has_site = bool(config.get("has-site", False))
+        ledger_site = dict(zip(self.names, parameters[n:])) if has_site else None
+        if not self.state.reconcile(int(config.get("site-version", P.UNKNOWN_VERSION)), ledger_site):
+            return [], 0, self._reply(P.STATUS_RESYNC, self.state.version, config, "site does not match the ledger")
+        try:
+            posterior = self._factor(parameters[:n])
+            site = self.problem.prior.from_numpy(self.state.site) if self.state.site is not None else self.problem.prior.zeros_like()
+            rho = float(config.get("rho", self.problem.cfg.rho()))
+            res = client_step(self.problem, posterior, site, self.x, self.y, rho, step_seed=int(config.get("server-round", 0)))
+        except PGVIError as err:
+            return [], 0, self._reply(P.STATUS_FAILED, self.state.version, config, f"{type(err).__name__}: {err}")
+        self.state.stage(res.new_site.to_numpy())
+        delta = res.delta.to_numpy()
+        metrics: dict[str, Scalar] = dict(res.metrics)
+        metrics.update(self._reply(P.STATUS_OK, self.state.version, config))
+        return [delta[k] for k in self.names], len(self.y), metrics
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
+        q = self._factor(parameters).check_proper("posterior")
+        cfg = self.problem.cfg
+        m = evaluate_posterior(self.problem, q, self.shard.x_test, self.shard.y_test, cfg.eval_samples, seed=cfg.seed)
+        return float(m.get("nll", 0.0)), int(m["num-examples"]), dict(m)
+
+
+# ==================================================================================================
+# serving a request
+
+
+@lru_cache(maxsize=8)
+def _problem_and_shard(cfg: RunConfig, partition_id: int) -> tuple[Problem, ArraysSplit]:
+    shard = client_shard(cfg, partition_id)
+    return build_problem(cfg), shard
+
+
+def _inject(mode: str, client: PGVIClient, delta: list[np.ndarray]) -> list[np.ndarray]:
+    """Corrupt the outgoing Delta; a Byzantine client that is believed also records what it sent."""
+    if mode.startswith("scale:") or mode == "flip":
+        factor = -1.0 if mode == "flip" else float(mode.split(":", 1)[1])
+        delta = [factor * d for d in delta]
+        site = client.problem.prior.from_numpy(client.state.site) if client.state.site is not None else client.problem.prior.zeros_like()
+        client.state.stage((site * client._factor(delta)).to_numpy())
+    elif mode == "nan":
+        delta = [np.full_like(d, np.nan) for d in delta]
+    elif mode == "wrong-shape":
+        delta = [np.zeros(d.size + 1, dtype=d.dtype) for d in delta]
+    elif mode == "improper":
+        delta = [d if not k.startswith("eta2") else np.full_like(d, 1e6) for k, d in zip(client.names, delta)]
+    elif mode == "huge":
+        delta = [np.zeros(50_000_000, dtype=np.float32)] + delta[1:]
+    return delta
+
+
+def handle(req: Request) -> Result:
+    """Serve one train or evaluate request; the same code runs in the ClientApp process or in a warm worker.
+
+    ``crash-before-reply`` raises :class:`InjectedFault` before the update is staged, so the returned state
+    is never saved; ``lose-reply`` is the caller's (the state is saved, then the reply is lost).
+    """
+    cfg, partition_id, client_id = node_run_config(req.run_config, req.node_config)
+    torch.set_num_threads(int(req.node_config.get("torch-threads", cfg.torch_threads or 1)))
+    problem, shard = _problem_and_shard(cfg, partition_id)
+    client = PGVIClient(problem, shard, client_id, req.state)
+    arrays = [req.posterior[k] for k in client.names]
+    if req.kind == "evaluate":
+        _, _, metrics = client.evaluate(arrays, req.config)
+        return Result({}, metrics, client.state)
+    if req.kind != "train":
+        raise ValueError(f"unknown request kind {req.kind!r}")
+    if req.config.get("has-site") and req.site is not None:
+        arrays += [req.site[k] for k in client.names]
+    delta, _, metrics = client.fit(arrays, req.config)
+    if req.fault == "crash-before-reply":
+        raise InjectedFault("fault injection: client crashed before staging its update")
+    if delta and req.fault:
+        delta = _inject(req.fault, client, delta)
+    return Result(dict(zip(client.names, delta)), metrics, client.state)
