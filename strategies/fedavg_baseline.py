@@ -27,6 +27,20 @@ from common.problem import ArraysSplit
 from strategies.results import RoundRecorder
 
 
+class OrderedFedAvg(FedAvg):
+    """Flower's ``FedAvg`` with the replies summed in node-id order.
+
+    ``FedAvg`` samples its clients with Python's unseeded ``random`` and sums the replies in the order they
+    come back, so two runs with the same seed add the same float32 models in different orders. The last-bit
+    differences that leaves are then amplified by SGD on noisy labels: two runs of the 40 %-noise Fashion-MNIST
+    baseline differed by 2.7 points of test accuracy after round 2. Sorting makes the run reproducible.
+    """
+
+    def aggregate_train(self, server_round: int, replies):  # type: ignore[no-untyped-def]
+        ordered = sorted(replies, key=lambda m: m.metadata.src_node_id)
+        return super().aggregate_train(server_round, ordered)
+
+
 def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Path) -> list[dict[str, float]]:
     """Run ``cfg.num_server_rounds`` FedAvg rounds over all ``cfg.num_clients`` clients; returns the rows."""
     if data.num_classes < 2:
@@ -61,7 +75,7 @@ def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Pat
         history.append(row)
         return MetricRecord({k: float(v) for k, v in row.items()})
 
-    strategy = FedAvg(fraction_train=cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_clients,
+    strategy = OrderedFedAvg(fraction_train=cfg.fraction_train, fraction_evaluate=0.0, min_train_nodes=cfg.min_clients,
                       min_evaluate_nodes=0, min_available_nodes=cfg.min_clients,
                       train_metrics_aggr_fn=train_metrics)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),

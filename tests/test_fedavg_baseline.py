@@ -106,3 +106,28 @@ def test_fedavg_round_is_the_weighted_average_of_the_clients_local_models(tmp_pa
     assert rows[1]["client-epochs-mean"] == rows[1]["client-epochs-max"] == 2.0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == "fedavg" and summary["final"]["round"] == 1.0
+
+
+def test_fedavg_run_is_reproducible_whatever_order_the_clients_are_sampled_in(tmp_path):
+    """Flower's FedAvg samples clients with the unseeded ``random`` module; the sum must not depend on it."""
+    import random
+
+    raw = {**RAW, "num-clients": 4, "min-clients": 4, "num-server-rounds": 2}
+    cfg = parse_run_config(raw)
+    data = load_full_data(cfg)
+    finals, orders = [], set()
+    for py_seed in range(4):
+        random.seed(py_seed)  # changes the order in which FedAvg samples (and so returns) the nodes
+        grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 4} for m in range(4)], raw)
+        sent = []
+        push = grid.push_messages
+        grid.push_messages = lambda msgs, push=push, sent=sent: push([sent.append(m.metadata.dst_node_id) or m
+                                                                      for m in msgs])
+        run_fedavg(grid, cfg, data, tmp_path / str(py_seed))
+        orders.add(tuple(sent))
+        with np.load(tmp_path / str(py_seed) / "model.npz") as z:
+            finals.append({k: z[k] for k in z.files})
+    assert len(orders) > 1, "the test needs runs whose clients were sampled in different orders"
+    for other in finals[1:]:
+        for k, v in finals[0].items():
+            np.testing.assert_array_equal(v, other[k])
