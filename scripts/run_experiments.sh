@@ -64,4 +64,12 @@ LR3="$LONG -c lr=0.003 -c lr-scale=0.003"
   $E fmnist-noise --noise 0.4 --seeds 0 1 2 --methods fedavg --suffix=-long -c num-server-rounds=25
 ) > runs/experiments/lane-lr3b.log 2>&1 &
 wait
+# the same settings at 0 % and 20 % noise, seed 0 (FedGVI w = 50 and PVI; FedAvg over 25 rounds)
+(
+  $E fmnist-noise --noise 0.0 0.2 --seeds 0 --methods fedgvi --suffix=-w50-lr3-long $LR3 -c loss-weight=50
+  $E fmnist-noise --noise 0.0 0.2 --seeds 0 --methods pvi --suffix=-lr3-long $LR3
+) > runs/experiments/lane-lr3c.log 2>&1 &
+$E fmnist-noise --noise 0.0 0.2 --seeds 0 --methods fedavg --suffix=-long -c num-server-rounds=25 \
+    > runs/experiments/lane-lr3d.log 2>&1 &
+wait
 $E report
