@@ -2,6 +2,8 @@
 # pre-installed. One image serves both roles of docker-compose.yml:
 #   superexec-serverapp   flower-superexec --runtime-api-address superlink:8000 ...    (runs ServerApps)
 #   superexec-clientapp-k flower-superexec --runtime-api-address supernode-k:9094 ... (runs ClientApps)
+#   compute-worker-k      python -m client.warm_worker --socket /app/worker/worker.sock (entrypoint
+#                         overridden in docker-compose.yml; node k's warm compute worker)
 #
 # Base tag: the plain `flwr/superexec:1.39.0` tag is the Python 3.13 Ubuntu variant, but
 # pyproject.toml pins requires-python ">=3.11,<3.12", so the Python 3.11 Ubuntu 24.04
@@ -46,9 +48,9 @@ COPY --chown=app:app server ./server
 # hadolint ignore=DL3013
 RUN python -m pip install . ${EXTRA_PACKAGES} \
     && python -c "import flwr, torch, common, client, server; assert flwr.__version__ == '1.39.0', flwr.__version__" \
-    && mkdir -p /app/state /app/outputs
+    && mkdir -p /app/state /app/outputs /app/worker
 
-# Named volumes mounted on /app/state and /app/outputs (docker-compose.yml) are initialised
+# Named volumes mounted on /app/state, /app/outputs and /app/worker (docker-compose.yml) are initialised
 # from these directories and so inherit their `app` (uid 49999) ownership.
 
 ENTRYPOINT ["flower-superexec"]

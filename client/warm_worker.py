@@ -142,11 +142,15 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None) ->
     return served
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m client.warm_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", required=True, help="Unix socket path (its directory is made 0700)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads (a request's node config overrides it)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     import torch
 
     torch.set_num_threads(args.torch_threads)

@@ -38,6 +38,9 @@ FLWR_VERSION = "1.39.0"
 NODES = (0, 1, 2)
 #: one-shot setup services (no Flower daemon command)
 ONE_SHOT = {"superlink-state-init", "register-supernodes"}
+#: each node's warm compute worker (project image, `python -m client.warm_worker`, not a Flower daemon)
+WORKERS = {f"compute-worker-{k}" for k in NODES}
+WORKER_SOCKET = "/app/worker/worker.sock"
 REGISTRAR = "register-supernodes"
 
 BINARY_OF_ROLE = {
@@ -238,7 +241,7 @@ def test_compose_config_rejects_a_broken_file(tmp_path):
 
 def test_services_and_images_pinned(services):
     expected = {"superlink-state-init", "superlink", "superexec-serverapp", REGISTRAR}
-    expected |= {f"supernode-{k}" for k in NODES} | {f"superexec-clientapp-{k}" for k in NODES}
+    expected |= {f"supernode-{k}" for k in NODES} | {f"superexec-clientapp-{k}" for k in NODES} | WORKERS
     assert set(services) == expected
     for name, svc in services.items():
         image = svc["image"]
@@ -249,7 +252,7 @@ def test_services_and_images_pinned(services):
         assert services[f"supernode-{k}"]["image"] == f"flwr/supernode:{FLWR_VERSION}"
         assert services[f"superexec-clientapp-{k}"]["build"]["dockerfile"] == "Dockerfile"
     assert services["superexec-serverapp"]["build"]["dockerfile"] == "Dockerfile"
-    project_images = {services[n]["image"] for n in services if n.startswith("superexec")}
+    project_images = {services[n]["image"] for n in services if n.startswith("superexec") or n in WORKERS}
     assert len(project_images) == 1 and FLWR_VERSION in project_images.pop()
 
 
@@ -275,7 +278,7 @@ def test_dockerignore_keeps_secrets_out_of_the_build_context():
 def test_every_flag_is_accepted_by_installed_flwr(services):
     helps = _help_flags()
     for name, svc in services.items():
-        if name in ONE_SHOT:
+        if name in ONE_SHOT | WORKERS:
             continue
         cmd = [str(a) for a in svc["command"]]
         role = _role(name)
@@ -332,7 +335,7 @@ def test_tls_and_auth_wiring(services):
         assert _arg(node, "--port") == "9094"
         cfg = parse_config_args([_arg(node, "--node-config")])
         assert cfg == {"partition-id": k, "num-partitions": len(NODES), "client-id": f"site-{k}",
-                       "state-dir": "/app/state"}  # fmt: skip
+                       "state-dir": "/app/state", "compute-worker": WORKER_SOCKET}  # fmt: skip
         app = [str(a) for a in services[f"superexec-clientapp-{k}"]["command"]]
         assert _arg(app, "--runtime-api-address") == f"supernode-{k}:9094"
         assert "--root-certificates" in app
@@ -380,6 +383,7 @@ def test_cert_and_key_mounts_read_only_and_match_pki(services, tmp_path):
 
 def test_state_volumes_and_restart_policy(services, compose):
     assert {"superlink-state", "serverapp-outputs"} | {f"site-{k}-state" for k in NODES} <= set(compose["volumes"])
+    assert {f"site-{k}-worker" for k in NODES} <= set(compose["volumes"])
     link_vols = {t: s for s, t, _ro in _volumes(services["superlink"])}
     assert link_vols["/app/state"] == "superlink-state"
     init = services["superlink-state-init"]
@@ -392,6 +396,50 @@ def test_state_volumes_and_restart_policy(services, compose):
         script = svc["entrypoint"][2]
         assert 'sleep "$${SUPERNODE_RESTART_DELAY_S}"' in script and 'exec flower-supernode "$$@"' in script
         assert svc["deploy"]["restart_policy"]["delay"] == "60s"
+
+
+def test_each_node_has_its_own_warm_compute_worker(services):
+    """compute-worker-k serves exactly node k: its socket is the node config's compute-worker path, on a volume
+    shared only by worker-k and superexec-clientapp-k (the container whose ClientApps connect), and it writes the
+    same state volume those ClientApps use. The command is parsed by the worker's own argument parser."""
+    from flwr.common.config import parse_config_args
+
+    from client.warm_worker import build_parser, key_path
+
+    assert re.search(r"mkdir -p [^\n]*/app/worker", DOCKERFILE.read_text())  # volume initialised owned by `app`
+    for k in NODES:
+        worker = services[f"compute-worker-{k}"]
+        assert worker["entrypoint"] == ["python", "-m", "client.warm_worker"]
+        ns = build_parser().parse_args([str(a) for a in worker["command"]])
+        assert ns.socket == WORKER_SOCKET and ns.torch_threads == 1
+        node = [str(a) for a in services[f"supernode-{k}"]["command"]]
+        cfg = parse_config_args([_arg(node, "--node-config")])
+        assert cfg["compute-worker"] == ns.socket
+        sock_dir = os.path.dirname(ns.socket)
+        assert os.path.dirname(str(key_path(ns.socket))) == sock_dir  # the key file is on the shared volume too
+        w_vols = {t: s for s, t, _ro in _volumes(worker)}
+        app = services[f"superexec-clientapp-{k}"]
+        a_vols = {t: s for s, t, _ro in _volumes(app)}
+        assert w_vols[sock_dir] == a_vols[sock_dir] == f"site-{k}-worker"
+        assert w_vols[cfg["state-dir"]] == a_vols[cfg["state-dir"]] == f"site-{k}-state"
+        assert not any(ro for _s, _t, ro in _volumes(worker))  # it writes its socket, key and the client state
+        for name, svc in services.items():
+            if name not in (f"compute-worker-{k}", f"superexec-clientapp-{k}"):
+                assert f"site-{k}-worker" not in {s for s, _t, _ro in _volumes(svc)}, name
+        assert f"compute-worker-{k}" in app["depends_on"]
+        assert worker["restart"] == "unless-stopped"
+        assert "ports" not in worker
+
+
+def test_insecure_override_keeps_the_warm_workers(services):
+    from flwr.common.config import parse_config_args
+
+    over = _load(INSECURE)["services"]
+    for k in NODES:
+        cfg = parse_config_args([_arg([str(a) for a in over[f"supernode-{k}"]["command"]], "--node-config")])
+        assert cfg["compute-worker"] == WORKER_SOCKET
+        vols = {t: s for s, t, _ro in _volumes(over[f"superexec-clientapp-{k}"])}
+        assert vols == {"/app/state": f"site-{k}-state", "/app/worker": f"site-{k}-worker"}
 
 
 def test_flower_env_everywhere(services):
