@@ -69,7 +69,9 @@ class RunConfig(BaseModel):
     server_divergence_w: float = Field(1.0, gt=0, description="server weighted KL: D_s = (1/w) KL")
     damping: float | Literal["auto"] = Field("auto", description="rho in (0, 1]; 'auto' = 1/M (sequential: 1)")
     schedule: Literal["synchronous", "sequential", "asynchronous"] = "synchronous"
-    sequential_order: str = Field("", description="comma-separated client ids; '' = sorted ids")
+    sequential_order: str = Field(
+        "", description="comma-separated client ids visited first, in this order; the others follow in sorted order"
+    )
     max_staleness: int | Literal["auto"] = Field(
         "auto", description="asynchronous: reject updates older than this many versions; 'auto' = num-clients"
     )
@@ -194,6 +196,19 @@ class RunConfig(BaseModel):
             )
         if self.family == "full_covariance" and self.model == "bnn":
             errors.append("family: a BNN needs family 'mean_field'")
+        if self.schedule != "synchronous":
+            # sequential and asynchronous updates arrive one at a time: a location estimate over a batch of one
+            # Delta is that Delta, and a median-relative clipping bound is relative to the Delta itself
+            if self.aggregator in ("trimmed_mean", "median"):
+                errors.append(f"aggregator: '{self.aggregator}' combines a batch of Deltas and needs schedule "
+                              f"'synchronous' (the {self.schedule} schedule applies one Delta at a time)")
+            elif self.aggregator == "norm_clip" and not self.aggregator_clip_norm > 0:
+                errors.append(f"aggregator-clip-norm: with schedule '{self.schedule}' norm_clip needs a fixed bound "
+                              "> 0 (the default bound is relative to the median norm of a batch)")
+        order = [c.strip() for c in self.sequential_order.split(",") if c.strip()]
+        if len(set(order)) != len(order):
+            dup = sorted({c for c in order if order.count(c) > 1})
+            errors.append(f"sequential-order: client id(s) listed twice: {', '.join(dup)}")
         if errors:
             raise ValueError("; ".join(errors))
         return self

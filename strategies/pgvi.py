@@ -22,10 +22,17 @@ object-push session) are retried with a short backoff until the round deadline; 
 treated as failed.  A push is retried with the *same* ``Message`` objects: their id is the content hash, so the
 SuperLink stores (and delivers) at most one copy even if the failed attempt was stored; a message that is
 nonetheless executed twice yields two Deltas against the same site version, and the ledger applies one.
+Duplicates and version mismatches are rejected without counting towards ``max-bad-replies`` (they are not
+misbehaviour); invalid content (non-finite, wrong shape, improper, a false client id) does count.
+
+Nodes are identified by a ``query`` message.  A node that does not identify itself is asked again only after a
+backoff (30 s doubling to 10 min), so a silent or misconfigured node cannot stall every round; malformed
+identity or evaluate replies are ignored with a warning and never stop the server.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -53,6 +60,8 @@ from strategies.codec import factor_to_record, record_to_factor
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
 T = TypeVar("T")
 _RETRY_BACKOFF_MAX = 5.0  # seconds between two attempts of a failing Runtime API call, at most
+_QUERY_TIMEOUT_MAX = 60.0  # seconds a mid-run identity query may block the schedule
+_REQUERY_FIRST, _REQUERY_MAX = 30.0, 600.0  # backoff before asking an unidentified node again (doubles)
 
 
 def _is_transient(err: BaseException) -> bool:
@@ -74,6 +83,14 @@ def _strict_int(value: object, key: str) -> int:
     if type(value) is not int:
         raise PGVIError(f"'{key}' must be an integer, got {value!r}")
     return value
+
+
+def _finite_number(value: object) -> float | None:
+    """``value`` as a float if it is a finite real number (not a bool, list or string), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    x = float(value)
+    return x if math.isfinite(x) else None
 
 
 class AllClientsFailed(RuntimeError):
@@ -164,6 +181,8 @@ class PGVIStrategy(Strategy):
         self.bad_replies: dict[str, int] = {}  # client id -> invalid replies so far (exclusion)
         self.round_completed = 0  # last round whose updates are all applied (resume point)
         self.done_in_round: set[str] = set()  # sequential: clients already visited in the current round
+        self._requery: dict[int, tuple[float, float]] = {}  # unidentified node -> (next query time, backoff)
+        self._order_warned = False
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.resume_from = Path(resume_from) if resume_from else None
 
@@ -198,14 +217,23 @@ class PGVIStrategy(Strategy):
         for msg in replies:
             if msg.has_error() or P.METRICS not in msg.content:
                 continue
-            m = dict(msg.content[P.METRICS])
-            n = float(m.get("num-examples", 0.0))
-            if n <= 0:
+            try:  # a malformed reply is skipped, never allowed to crash the server
+                m = dict(msg.content[P.METRICS])
+                n = _finite_number(m.get("num-examples", 0.0))
+                values = {k: _finite_number(v) for k, v in m.items() if k != "num-examples"}
+            except Exception as err:
+                log(WARNING, "round %d: evaluate reply from node %d skipped: %s", server_round,
+                    msg.metadata.src_node_id, f"{type(err).__name__}: {err}")
+                continue
+            if n is None or n <= 0:
+                if n is None:
+                    log(WARNING, "round %d: evaluate reply from node %d skipped: 'num-examples' is not a finite "
+                        "number", server_round, msg.metadata.src_node_id)
                 continue
             n_total += n
-            for k, v in m.items():
-                if k != "num-examples" and isinstance(v, (int, float)):
-                    totals[k] = totals.get(k, 0.0) + n * float(v)
+            for k, v in values.items():
+                if v is not None:
+                    totals[k] = totals.get(k, 0.0) + n * v
         if n_total == 0:
             return None
         out = {f"client-{k}": v / n_total for k, v in totals.items()}
@@ -242,6 +270,9 @@ class PGVIStrategy(Strategy):
         if self.round_completed == 0 and not self.history:
             self._record_round(0, RoundStats(), grid, result, do_client_eval=False)
         if self.cfg.schedule == "asynchronous":
+            if self.cfg.evaluate_clients:
+                log(WARNING, "evaluate-clients is not run with the asynchronous schedule (every client always has a "
+                    "train message in flight); the server-side test metrics are recorded each round")
             self._run_asynchronous(grid, num_rounds, timeout, result)
         else:
             for rnd in range(self.round_completed + 1, num_rounds + 1):
@@ -269,7 +300,7 @@ class PGVIStrategy(Strategy):
         self._checkpoint()
 
     def _count_timeouts(self, rnd: int, sent: int, replies: list[Message], stats: RoundStats) -> None:
-        missing = sent - len(replies)
+        missing = sent - len({m.metadata.reply_to_message_id for m in replies})  # a duplicate hides no timeout
         if missing > 0:
             stats.failed += missing
             self._last_failure = f"{missing} client(s) did not reply within round-timeout-s"
@@ -292,8 +323,7 @@ class PGVIStrategy(Strategy):
     def _round_sequential(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
         nodes = self._sample_nodes(grid)
         by_client = {self.node_client[n]: n for n in nodes}
-        order = [c.strip() for c in self.cfg.sequential_order.split(",") if c.strip()] or sorted(by_client)
-        for cid in order:
+        for cid in self._sequential_order(by_client):
             node = by_client.get(cid)
             if node is None or cid in self.done_in_round:
                 continue
@@ -303,9 +333,24 @@ class PGVIStrategy(Strategy):
             self.done_in_round.add(cid)
             self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
 
+    def _sequential_order(self, by_client: dict[str, int]) -> list[str]:
+        """``sequential-order``'s clients first, in that order, then every other client in sorted order: a client
+        missing from the list is still visited, never silently dropped (warned about once)."""
+        listed = [c.strip() for c in self.cfg.sequential_order.split(",") if c.strip()]
+        rest = sorted(c for c in by_client if c not in listed)
+        if listed and not self._order_warned:
+            unknown = sorted(c for c in listed if c not in self.node_client.values())
+            if unknown:
+                log(WARNING, "sequential-order names client(s) that have not connected: %s", ", ".join(unknown))
+            if rest:
+                log(WARNING, "sequential-order does not list client(s) %s: they are visited after the listed ones, "
+                    "in sorted order", ", ".join(rest))
+            self._order_warned = True
+        return listed + rest
+
     def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
         """Keep one message in flight per client; a 'round' is num-clients applied-or-rejected updates."""
-        per_round = max(1, len(self._sample_nodes(grid)))
+        per_round = max(1, len(self._known_nodes(grid)))  # a 'round' = num-clients updates, whatever fraction-train
         inflight: dict[str, tuple[int, float, int]] = {}  # message id -> (node id, sent time, posterior version)
         busy: set[int] = set()
         rnd, stats = self.round_completed + 1, RoundStats()
@@ -374,7 +419,8 @@ class PGVIStrategy(Strategy):
         deadline = time.time() + self.cfg.wait_for_clients_s
         while True:
             nodes = list(grid.get_node_ids())
-            self._discover(grid, nodes, timeout=max(1.0, min(self.cfg.round_timeout_s, deadline - time.time())))
+            self._discover(grid, nodes, timeout=max(1.0, min(self.cfg.round_timeout_s, deadline - time.time())),
+                           force=True)
             known = [n for n in nodes if n in self.node_client]
             if len(known) >= self.cfg.min_clients:
                 break
@@ -389,23 +435,38 @@ class PGVIStrategy(Strategy):
         shown = ", ".join(ids) if len(ids) <= 12 else ", ".join(ids[:5]) + ", ..., " + ", ".join(ids[-2:])
         log(INFO, "%d clients connected: %s", len(ids), shown)
 
-    def _discover(self, grid: Grid, nodes: list[int], timeout: float | None = None) -> None:
-        """Learn the stable client id (and site version) of nodes not seen before via ``query`` messages."""
-        unknown = [n for n in nodes if n not in self.node_client]
+    def _discover(self, grid: Grid, nodes: list[int], timeout: float | None = None, force: bool = False) -> None:
+        """Learn the stable client id (and site version) of nodes not seen before via ``query`` messages.
+
+        During the run (``force=False``) a node that did not identify itself (its query failed, timed out or
+        was malformed) is asked again only after a backoff (30 s, doubling to 10 min), and a query blocks the
+        schedule for at most ``min(round-timeout-s, 60 s)``: a silent or misconfigured node must not stall
+        every round.
+        """
+        now = time.time()
+        unknown = [n for n in nodes if n not in self.node_client and (force or self._requery.get(n, (0.0,))[0] <= now)]
         if not unknown:
             return
+        if timeout is None:
+            timeout = min(self.cfg.round_timeout_s, _QUERY_TIMEOUT_MAX)
         msgs = [
             Message(content=RecordDict({P.CONFIG: ConfigRecord({"request": "identity"})}), dst_node_id=n, message_type=MessageType.QUERY)
             for n in unknown
         ]
-        for reply in self._send_and_receive(grid, msgs, self.cfg.round_timeout_s if timeout is None else timeout):
+        for reply in self._send_and_receive(grid, msgs, timeout):
             if reply.has_error():
                 self._last_failure = _last_line(reply.error.reason)
                 continue
-            if P.CONFIG not in reply.content:
+            try:  # a malformed identity reply is ignored (the node is asked again later), never a crash
+                cfg = reply.content[P.CONFIG]
+                cid = cfg.get("client-id", "")
+                client_version = cfg.get("site-version", 0)
+            except Exception as err:
+                log(WARNING, "identity reply from node %d ignored: %s: %s", reply.metadata.src_node_id,
+                    type(err).__name__, err)
                 continue
-            cid = str(reply.content[P.CONFIG].get("client-id", ""))
-            if not cid:
+            if not isinstance(cid, str) or not cid:
+                log(WARNING, "identity reply from node %d ignored: no client-id string", reply.metadata.src_node_id)
                 continue
             node = reply.metadata.src_node_id
             for old_node, old_cid in list(self.node_client.items()):
@@ -413,11 +474,17 @@ class PGVIStrategy(Strategy):
                     log(INFO, "client '%s' moved from node %d to node %d", cid, old_node, node)
                     del self.node_client[old_node]
             self.node_client[node] = cid
+            self._requery.pop(node, None)
             self.ledger_versions.setdefault(cid, 0)
             self.state.site(cid)
-            client_version = int(reply.content[P.CONFIG].get("site-version", 0))
-            if client_version != self.ledger_versions[cid]:
-                self.resync.add(cid)
+            if type(client_version) is not int or client_version != self.ledger_versions[cid]:
+                self.resync.add(cid)  # a version we cannot read counts as a mismatch: the client gets its site
+        now = time.time()
+        for n in unknown:
+            if n not in self.node_client:
+                backoff = self._requery.get(n, (0.0, _REQUERY_FIRST / 2))[1]
+                backoff = min(2 * backoff, _REQUERY_MAX)
+                self._requery[n] = (now + backoff, backoff)
 
     def _excluded(self, client_id: str) -> bool:
         limit = self.cfg.max_bad_replies
@@ -594,20 +661,22 @@ class PGVIStrategy(Strategy):
                     continue
                 if status != P.STATUS_OK:
                     raise PGVIError(f"unknown status {status!r}")
-                if cid in seen:
-                    raise PGVIError("second reply from the same client in one batch")
+                if cid in seen:  # a re-executed or re-delivered message: harmless, one reply is applied
+                    self._reject(rnd, cid, node, "second reply from the same client in one batch (duplicate)",
+                                 stats, bad=False)
+                    continue
                 if P.DELTA not in content:
                     raise PGVIError("no Delta in the reply")
                 record = content[P.DELTA]
                 delta = record_to_factor(record, self.problem.prior)
                 base = _strict_int(cfg.get("base-site-version"), "base-site-version")
                 sent = _strict_int(cfg.get("posterior-version", self.state.version), "posterior-version")
-                if base != self.ledger_versions.get(cid):
+                if base != self.ledger_versions.get(cid):  # duplicate, late, or the site was reset: not misbehaviour
                     self.resync.add(cid)
-                    raise PGVIError(
-                        f"Delta computed against site version {base}, ledger has {self.ledger_versions.get(cid)} "
-                        "(duplicate, late or lost client state)"
-                    )
+                    self._reject(rnd, cid, node, f"Delta computed against site version {base}, ledger has "
+                                 f"{self.ledger_versions.get(cid)} (duplicate, late or lost client state)", stats,
+                                 bad=False)
+                    continue
                 metrics = {}
                 if P.METRICS in content:
                     metrics = {k: float(v) for k, v in content[P.METRICS].items() if isinstance(v, (int, float))}
@@ -623,6 +692,14 @@ class PGVIStrategy(Strategy):
         """Apply the Deltas that keep the posterior proper; the batch is applied atomically."""
         ok: list[Reply] = []
         for d in decoded:
+            if self._excluded(d.client_id):  # excluded by a later reply of the same batch
+                self._reject(rnd, d.client_id, d.node_id, "client excluded (too many bad replies)", stats, bad=False)
+                continue
+            if d.base_version != self.ledger_versions.get(d.client_id):  # its site was reset since decoding
+                self.resync.add(d.client_id)
+                self._reject(rnd, d.client_id, d.node_id, f"site version changed to "
+                             f"{self.ledger_versions.get(d.client_id)} since the Delta was decoded", stats, bad=False)
+                continue
             try:
                 (self.state.posterior * d.delta).check_proper("server posterior after this Delta")  # type: ignore[operator]
                 ok.append(d)

@@ -78,6 +78,10 @@ BAD = [
     ({"family": "full_covariance", "model": "bnn"}, "family", "mean_field"),
     ({"prior-variance": 0.0}, "prior-variance", ""),
     ({"family": "diagonal"}, "family", ""),
+    ({"schedule": "sequential", "aggregator": "trimmed_mean"}, "aggregator", "synchronous"),
+    ({"schedule": "asynchronous", "aggregator": "median"}, "aggregator", "synchronous"),
+    ({"schedule": "asynchronous", "aggregator": "norm_clip"}, "aggregator-clip-norm", "fixed bound"),
+    ({"sequential-order": "site-1, site-0, site-1"}, "sequential-order", "site-1"),
 ]
 
 

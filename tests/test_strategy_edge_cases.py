@@ -1,0 +1,191 @@
+"""Edge cases of the PGVI strategy found in review, each against the real ClientApp through the in-process Grid.
+
+* duplicated replies (re-executed or re-delivered messages) are harmless: they never count towards a client's
+  exclusion, synchronously or asynchronously;
+* a client excluded by a later reply of the same batch gets none of that batch applied;
+* malformed ``query`` and ``evaluate`` replies are ignored with a warning, never a server crash;
+* ``sequential-order`` never drops a client it does not list;
+* a node that cannot identify itself is asked again with a backoff, not at every sampling;
+* checkpoints keep client ids that contain the key separator, and a long float32 run resumes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from common import protocol as P
+from common.config import parse_run_config
+from common.factors import PGVIServerState
+from common.problem import build_problem
+from strategies.checkpoint import load_checkpoint, save_checkpoint
+from strategies.pgvi import PGVIStrategy
+from strategies.reference import expected_posterior, max_natural_diff
+from tests.test_inprocess import _tamper, client_sites, run
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "asynchronous"])
+def test_duplicated_replies_never_exclude_an_honest_client(schedule):
+    over = {"schedule": schedule, "num-server-rounds": 4, "max-bad-replies": 2, "exclusion-removes-site": True}
+    cfg, strategy, grid = run(over, reply_hook=_tamper("duplicate", once=False))
+    assert any("duplicate" in str(r["reason"]) for r in strategy.rejections)
+    assert strategy.bad_replies == {}
+    assert strategy.ledger_versions == {f"site-{m}": 4 for m in range(3)}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+    for cid, site in client_sites(grid, strategy).items():  # every client agrees with the ledger
+        ledger = strategy.state.sites[cid].to_numpy()
+        assert all(np.allclose(site[k], ledger[k], rtol=0, atol=1e-12) for k in ledger), cid
+
+
+def _second_reply_claiming(other_id: str, victim: str = "site-1"):
+    """After the victim's valid reply, deliver a copy that claims another client's id (a bad reply)."""
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type != "train" or reply.has_error():
+            return [reply]
+        if str(reply.content[P.CONFIG].get("client-id")) != victim:
+            return [reply]
+        cfg = dict(reply.content[P.CONFIG])
+        cfg["client-id"] = other_id
+        content = RecordDict({P.CONFIG: ConfigRecord(cfg), P.DELTA: reply.content[P.DELTA]})
+        forged = Message(content=content, reply_to=request)
+        forged.metadata.__dict__["_src_node_id"] = reply.metadata.src_node_id
+        return [reply, forged]
+
+    return hook
+
+
+def test_client_excluded_within_a_batch_has_none_of_it_applied():
+    over = {"schedule": "synchronous", "num-server-rounds": 3, "max-bad-replies": 1, "exclusion-removes-site": True}
+    cfg, strategy, _ = run(over, reply_hook=_second_reply_claiming("site-0"))
+    assert strategy.bad_replies == {"site-1": 1}
+    reasons = [str(r["reason"]) for r in strategy.rejections if r["client-id"] == "site-1"]
+    assert any("claims client id" in r for r in reasons) and any("client excluded" in r for r in reasons)
+    # before the fix the valid first reply of round 1 was applied after the exclusion: site-1 at version 1
+    assert strategy.ledger_versions == {"site-0": 3, "site-1": 0, "site-2": 3}
+    assert all(float(v.abs().max()) == 0.0 for v in strategy.state.sites["site-1"].params.values())
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+    assert strategy.state.check_invariant() < 1e-12
+
+
+@pytest.mark.parametrize("bad_version", [math.inf, math.nan, "three", [1, 2]])
+def test_malformed_identity_reply_does_not_crash_the_server(bad_version):
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type == "query" and reply.content[P.CONFIG].get("client-id") == "site-2":
+            reply.content[P.CONFIG] = ConfigRecord({"client-id": "site-2", "site-version": bad_version})
+        return [reply]
+
+    cfg, strategy, _ = run({"num-server-rounds": 2}, reply_hook=hook)
+    assert strategy.ledger_versions == {f"site-{m}": 2 for m in range(3)}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+def test_malformed_evaluate_replies_are_skipped():
+    seen: dict[str, float] = {}
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type != "evaluate" or reply.has_error():
+            return [reply]
+        node = request.metadata.dst_node_id
+        metrics = dict(reply.content[P.METRICS])
+        if node == 1000:
+            reply.content[P.METRICS] = MetricRecord({**metrics, "num-examples": [1.0, 2.0]})
+        elif node == 1001:
+            reply.content[P.METRICS] = MetricRecord({**metrics, "num-examples": math.nan})
+        else:
+            seen["n"] = float(metrics["num-examples"])
+        return [reply]
+
+    _, strategy, _ = run({"num-server-rounds": 2, "evaluate-clients": True}, reply_hook=hook)
+    rows = [r for r in strategy.history if r["round"] >= 1]
+    assert len(rows) == 2
+    assert all(r["client-num-examples"] == seen["n"] for r in rows)  # only the well-formed reply counted
+    assert all(math.isfinite(v) for r in rows for v in r.values())
+
+
+def test_sequential_order_visits_unlisted_clients_after_the_listed_ones():
+    visits: list[str] = []
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type == "train":
+            visits.append(str(request.content[P.CONFIG]["client-id"]))
+        return [reply]
+
+    cfg, strategy, _ = run({"schedule": "sequential", "num-server-rounds": 2, "sequential-order": "site-2, ghost"},
+                           reply_hook=hook)
+    assert visits == ["site-2", "site-0", "site-1"] * 2  # before the fix: ["site-2"] * 2
+    assert strategy.ledger_versions == {f"site-{m}": 2 for m in range(3)}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "asynchronous"])
+def test_an_unidentifiable_node_is_not_queried_at_every_sampling(schedule):
+    """A fourth node whose query fails (its partition does not exist) must not be queried again and again
+    (before the fix: at every sampling, i.e. every round, and every poll of the asynchronous loop)."""
+    from client.app import app as client_app
+    from strategies.inprocess import InProcessGrid
+    from tests.test_inprocess import BASE
+
+    raw = {**BASE, "schedule": schedule, "num-server-rounds": 4}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "num-partitions": 3, "client-id": f"site-{m}"} for m in range(3)]
+    stray = {"partition-id": 0, "num-partitions": 99, "client-id": "stray"}
+    queries: dict[int, int] = {}
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type == "query":
+            queries[request.metadata.dst_node_id] = queries.get(request.metadata.dst_node_id, 0) + 1
+        return [reply]
+
+    grid = InProcessGrid(client_app, [*nodes, stray], raw, reply_hook=hook)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.01)
+    strategy.start(grid)
+    stray_node = max(grid.contexts)
+    assert stray_node not in strategy.node_client
+    assert queries[stray_node] <= 2, queries  # the start, then at most one retry within 30 s
+    assert strategy.ledger_versions == {f"site-{m}": 4 for m in range(3)}
+
+
+def test_checkpoint_keeps_client_ids_that_contain_the_separator(tmp_path):
+    cfg, strategy, _ = run({"num-server-rounds": 1})
+    site = strategy.state.sites.pop("site-2")
+    strategy.state.sites["lab|ward-2"] = site
+    strategy.ledger_versions["lab|ward-2"] = strategy.ledger_versions.pop("site-2")
+    save_checkpoint(strategy, tmp_path)
+    again = PGVIStrategy(build_problem(cfg))
+    load_checkpoint(again, tmp_path)
+    assert sorted(again.state.sites) == ["lab|ward-2", "site-0", "site-1"]
+    assert max_natural_diff(again.state.sites["lab|ward-2"], site) == 0.0
+    assert max_natural_diff(again.state.posterior, strategy.state.posterior) == 0.0
+
+
+def test_a_long_float32_run_resumes_from_its_checkpoint(tmp_path):
+    """300 batches of 20 Deltas in float32: the global site drifts from the sum of the sites by rounding
+    (well above a relative 1e-6), which must not be mistaken for a corrupt checkpoint."""
+    raw = {"model": "logistic_regression", "dataset": "breast_cancer", "dtype": "float32", "num-clients": 20,
+           "min-clients": 20}
+    cfg = parse_run_config(raw)
+    strategy = PGVIStrategy(build_problem(cfg))
+    prior = strategy.problem.prior
+    state = PGVIServerState(prior=prior)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        batch = {}
+        for m in range(20):
+            params = {k: (torch.randn(v.shape, generator=gen) * 3.0 if k.startswith("eta1")
+                          else -torch.rand(v.shape, generator=gen) * 0.05).to(v.dtype) for k, v in prior.params.items()}
+            batch[f"site-{m}"] = prior._like(params)
+        state.apply(batch)
+    scale = max(float(v.abs().max()) for v in state.global_site.params.values())
+    assert state.check_invariant() > 1e-6 * scale  # the old fixed tolerance would refuse this checkpoint
+    strategy.state = state
+    strategy.ledger_versions = {f"site-{m}": 300 for m in range(20)}
+    save_checkpoint(strategy, tmp_path)
+    again = PGVIStrategy(build_problem(cfg))
+    load_checkpoint(again, tmp_path)
+    assert again.ledger_versions == strategy.ledger_versions
+    assert max_natural_diff(again.state.posterior, state.posterior) == 0.0
