@@ -444,6 +444,7 @@ class PGVIStrategy(Strategy):
         every round.
         """
         now = time.time()
+        connected = set(nodes)
         unknown = [n for n in nodes if n not in self.node_client and (force or self._requery.get(n, (0.0,))[0] <= now)]
         if not unknown:
             return
@@ -469,10 +470,14 @@ class PGVIStrategy(Strategy):
                 log(WARNING, "identity reply from node %d ignored: no client-id string", reply.metadata.src_node_id)
                 continue
             node = reply.metadata.src_node_id
-            for old_node, old_cid in list(self.node_client.items()):
-                if old_cid == cid and old_node != node:
-                    log(INFO, "client '%s' moved from node %d to node %d", cid, old_node, node)
-                    del self.node_client[old_node]
+            holder = next((n for n, c in self.node_client.items() if c == cid and n != node), None)
+            if holder is not None and holder in connected:  # two live nodes cannot share one ledger entry
+                log(WARNING, "node %d claims client id '%s', which connected node %d holds: ignored (check the "
+                    "nodes' client-id settings)", node, cid, holder)
+                continue
+            if holder is not None:  # the old node is gone: a restarted client (new node id) takes its site over
+                log(INFO, "client '%s' moved from node %d to node %d", cid, holder, node)
+                del self.node_client[holder]
             self.node_client[node] = cid
             self._requery.pop(node, None)
             self.ledger_versions.setdefault(cid, 0)
@@ -498,6 +503,9 @@ class PGVIStrategy(Strategy):
 
     def _sample_nodes(self, grid: Grid, fraction: float | None = None) -> list[int]:
         nodes = self._known_nodes(grid)
+        if not nodes and self.node_client and all(self._excluded(c) for c in self.node_client.values()):
+            raise AllClientsFailed(f"every client is excluded (max-bad-replies={self.cfg.max_bad_replies}): "
+                                   f"{', '.join(sorted(set(self.node_client.values())))}")
         frac = self.cfg.fraction_train if fraction is None else fraction
         k = max(1, int(round(frac * len(nodes))))  # min-clients gates the start of the run, not each round
         if k >= len(nodes):

@@ -189,3 +189,41 @@ def test_a_long_float32_run_resumes_from_its_checkpoint(tmp_path):
     load_checkpoint(again, tmp_path)
     assert again.ledger_versions == strategy.ledger_versions
     assert max_natural_diff(again.state.posterior, state.posterior) == 0.0
+
+
+def test_a_second_live_node_cannot_take_over_a_connected_clients_id():
+    """An impostor (or a misconfigured node) claiming the client id of a connected node is ignored: it gets no
+    site and no train message, and the real client's ledger entry is untouched. A restarted client (its old
+    node gone) still takes its site over: tests/test_inprocess.py::test_restarted_client_without_state_..."""
+    from client.app import app as client_app
+    from strategies.inprocess import InProcessGrid
+    from tests.test_inprocess import BASE
+
+    raw = {**BASE, "num-server-rounds": 3}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "num-partitions": 3, "client-id": f"site-{m}"} for m in range(3)]
+    impostor = {"partition-id": 1, "num-partitions": 3, "client-id": "site-0"}
+    trained: list[int] = []
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type == "train":
+            trained.append(request.metadata.dst_node_id)
+        return [reply]
+
+    grid = InProcessGrid(client_app, [*nodes, impostor], raw, reply_hook=hook)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    impostor_node = max(grid.contexts)
+    assert impostor_node not in strategy.node_client and impostor_node not in trained
+    assert strategy.node_client[min(grid.contexts)] == "site-0"
+    assert strategy.ledger_versions == {f"site-{m}": 3 for m in range(3)}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+def test_run_stops_when_every_client_is_excluded():
+    from strategies.pgvi import AllClientsFailed
+
+    with pytest.raises(AllClientsFailed, match="every client is excluded"):
+        run({"num-server-rounds": 5, "max-bad-replies": 1},
+            reply_hook=lambda req, rep: [rep] if req.metadata.message_type != "train" else
+            _tamper("nan", victim=str(rep.content[P.CONFIG].get("client-id")), once=False)(req, rep))
