@@ -355,6 +355,20 @@ class PGVIStrategy(Strategy):
         busy: set[int] = set()
         rnd, stats = self.round_completed + 1, RoundStats()
         deadline = time.time() + timeout * num_rounds
+
+        resolved = 0  # messages of this round that got their outcome (a reply, a failure or a timeout)
+
+        def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
+            nonlocal resolved
+            if rnd > num_rounds or resolved < per_round:
+                return rnd, stats
+            resolved = 0
+            result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
+            self._record_round(rnd, stats, grid, result, do_client_eval=False)
+            self._end_round(rnd)
+            self._check_progress(rnd, stats)
+            return rnd + 1, RoundStats()
+
         while rnd <= num_rounds:
             if time.time() > deadline:
                 log(WARNING, "asynchronous schedule: overall deadline reached at round %d", rnd)
@@ -366,11 +380,15 @@ class PGVIStrategy(Strategy):
                                      min(deadline, time.time() + timeout))
                 if mids is None:
                     stats.failed += len(msgs)
+                    resolved += len(msgs)
                     log(WARNING, "round %d: %d message(s) could not be pushed; those clients keep their old sites", rnd, len(msgs))
-                for mid, msg in zip(mids or [], msgs):
-                    inflight[mid] = (msg.metadata.dst_node_id, time.time(), self.state.version)
-                    busy.add(msg.metadata.dst_node_id)
-                stats.sent += len(msgs)
+                    stats.sent += len(msgs)
+                    rnd, stats = close_if_full(rnd, stats)
+                else:
+                    for mid, msg in zip(mids, msgs):
+                        inflight[mid] = (msg.metadata.dst_node_id, time.time(), self.state.version)
+                        busy.add(msg.metadata.dst_node_id)
+                    stats.sent += len(msgs)
             replies = []
             if inflight:
                 replies = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(inflight))),
@@ -380,6 +398,11 @@ class PGVIStrategy(Strategy):
                 node, _, sent_version = inflight.pop(reply.metadata.reply_to_message_id,
                                                      (reply.metadata.src_node_id, 0.0, -1))
                 busy.discard(node)
+                resolved += sent_version >= 0  # a duplicate or unsolicited reply resolves no message
+                if rnd > num_rounds:  # the last round closed earlier in this batch
+                    for d in self._decode_replies(rnd, [reply], RoundStats()):
+                        self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
+                    continue
                 for d in self._decode_replies(rnd, [reply], stats):
                     if sent_version < 0:  # not a reply to a message in flight
                         self._reject(rnd, d.client_id, d.node_id, "reply to no message in flight", stats, bad=False)
@@ -390,20 +413,17 @@ class PGVIStrategy(Strategy):
                         self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.staleness_bound()})", stats, bad=False)
                         continue
                     self._apply_batch(rnd, [d], stats)
+                rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
             now = time.time()
             for mid, (node, sent, _) in list(inflight.items()):
                 if now - sent > timeout:
                     inflight.pop(mid)
                     busy.discard(node)
                     stats.failed += 1
+                    resolved += 1
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
-            if stats.applied + stats.rejected + stats.failed >= per_round:
-                result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
-                self._record_round(rnd, stats, grid, result, do_client_eval=False)
-                self._end_round(rnd)
-                self._check_progress(rnd, stats)
-                rnd, stats = rnd + 1, RoundStats()
-            elif not replies:
+                    rnd, stats = close_if_full(rnd, stats)
+            if not replies:
                 time.sleep(self.poll_interval)
         # let in-flight replies arrive so that no client is left with an unresolved pending update
         if inflight:

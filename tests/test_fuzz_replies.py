@@ -210,7 +210,7 @@ def check_batch(s: PGVIStrategy, before: dict, replies: list[Message], stats: Ro
                 continue
             d = decode_independently(m.content.get(P.DELTA))
             if d is not None and d.keys() == site_now.keys() and all(
-                torch.equal(site_now[k], site_before[k] + d[k]) for k in d
+                d[k].shape == site_now[k].shape and torch.equal(site_now[k], site_before[k] + d[k]) for k in d
             ):
                 applied[c].add(i)
         assert applied[c], f"site of {c} did not move by a Delta it sent"

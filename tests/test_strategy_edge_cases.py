@@ -35,6 +35,8 @@ def test_duplicated_replies_never_exclude_an_honest_client(schedule):
     assert any("duplicate" in str(r["reason"]) for r in strategy.rejections)
     assert strategy.bad_replies == {}
     assert strategy.ledger_versions == {f"site-{m}": 4 for m in range(3)}
+    rows = [r for r in strategy.history if r["round"] >= 1]
+    assert [(r["applied"], r["rejected"]) for r in rows] == [(3.0, 1.0)] * 4  # the duplicate resolves no message
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
     for cid, site in client_sites(grid, strategy).items():  # every client agrees with the ledger
         ledger = strategy.state.sites[cid].to_numpy()
@@ -227,3 +229,29 @@ def test_run_stops_when_every_client_is_excluded():
         run({"num-server-rounds": 5, "max-bad-replies": 1},
             reply_hook=lambda req, rep: [rep] if req.metadata.message_type != "train" else
             _tamper("nan", victim=str(rep.content[P.CONFIG].get("client-id")), once=False)(req, rep))
+
+
+def test_asynchronous_rounds_hold_exactly_num_clients_outcomes():
+    """Replies that trickle in (here: at most two per pull) must not spill over a round boundary: before the fix
+    the round closed only after a whole pull, and every round held 4 outcomes."""
+    from client.app import app as client_app
+    from strategies.inprocess import InProcessGrid
+    from tests.test_inprocess import BASE
+
+    class Trickle(InProcessGrid):
+        def pull_messages(self, message_ids):
+            wanted = set(message_ids)
+            keys = [k for k in self._replies if k.split("#")[0] in wanted][:2]
+            return [self._replies.pop(k) for k in keys]
+
+    raw = {**BASE, "schedule": "asynchronous", "num-server-rounds": 6}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "num-partitions": 3, "client-id": f"site-{m}"} for m in range(3)]
+    grid = Trickle(client_app, nodes, raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    rows = [r for r in strategy.history if r["round"] >= 1]
+    assert len(rows) == 6
+    assert [r["applied"] + r["rejected"] + r["failed"] for r in rows] == [3.0] * 6
+    assert sum(strategy.ledger_versions.values()) == 18
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
