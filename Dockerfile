@@ -48,8 +48,10 @@ COPY --chown=app:app server ./server
 # hadolint ignore=DL3013
 RUN python -m pip install . ${EXTRA_PACKAGES} \
     && python -c "import flwr, torch, common, client, server; assert flwr.__version__ == '1.39.0', flwr.__version__" \
-    && mkdir -p /app/state /app/outputs /app/worker
+    && mkdir -p /app/state /app/outputs /app/worker \
+    && chmod 700 /app/worker
 
+# /app/worker is 0700: the compute worker refuses a socket directory that others can enter.
 # Named volumes mounted on /app/state, /app/outputs and /app/worker (docker-compose.yml) are initialised
 # from these directories and so inherit their `app` (uid 49999) ownership.
 

@@ -12,7 +12,10 @@ torch, the data shard and the problem loaded across messages.
 Node config keys: ``partition-id`` (int), ``client-id`` (stable id, default ``site-<partition-id>``),
 ``state-dir`` (durable client state; default: kept in the SuperNode's memory for the run),
 ``torch-threads`` (default 1), ``batch-size`` (overrides the run config's, for small devices),
-``compute-worker`` (path of the node's warm worker socket; default: compute in the ClientApp process).
+``compute-worker`` (path of the node's warm worker socket; default: compute in the ClientApp process),
+``compute-worker-timeout-s`` (how long to wait for the worker's result, default 3600; a positive number).
+If the worker is unreachable, fails the handshake, or sends no result within that timeout (it is then
+presumably hung), the ClientApp logs a warning and computes the message in its own process.
 
 Fault injection, for tests only (node config ``fault``, default off): ``scale:<x>`` and ``flip`` (a Byzantine
 client: Delta times x or -1), ``nan``, ``wrong-shape``, ``improper``, ``huge`` (invalid replies the server must
@@ -22,16 +25,22 @@ client dies after computing, before staging).  A mode may be limited to some rou
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
+from client import warm_worker
 from client.node_request import InjectedFault, Request, Result, node_run_config
 from common import protocol as P
 from common.client_state import ClientState
 from strategies.codec import arrays_to_record
 
 app = ClientApp()
+
+WORKER_TIMEOUT_KEY = "compute-worker-timeout-s"
 
 
 def __getattr__(name: str):  # ``client.app.PGVIClient`` without importing torch at module import
@@ -76,14 +85,29 @@ def _fault_mode(context: Context, server_round: int) -> str:
     return mode
 
 
+def _worker_timeout(node_config: Mapping) -> float:
+    """Node config ``compute-worker-timeout-s``: seconds to wait for the warm worker's result (default 3600)."""
+    raw = node_config.get(WORKER_TIMEOUT_KEY)
+    if raw is None:
+        return warm_worker.RESULT_TIMEOUT_S
+    try:
+        value = float("nan") if isinstance(raw, bool) else float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"node config {WORKER_TIMEOUT_KEY} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
 def _compute(request: Request, context: Context) -> Result:
-    """Run ``request`` in the node's warm worker when one is configured and reachable, else here."""
+    """Run ``request`` in the node's warm worker when one is configured, reachable and answers in time, else here."""
     socket_path = context.node_config.get("compute-worker")
     if socket_path:
-        from client import warm_worker
-
+        timeout = _worker_timeout(context.node_config)
         try:
-            return warm_worker.call(str(socket_path), request)
+            return warm_worker.call(str(socket_path), request, timeout=timeout)
+        except warm_worker.WorkerTimeout as err:  # our connection is closed; a late result is discarded
+            log(30, "PGVI client: %s; the worker looks hung, computing in the ClientApp process instead", err)
         except warm_worker.WorkerUnavailable as err:
             log(30, "PGVI client: %s; computing in the ClientApp process instead", err)
     from client.pgvi_client import handle
@@ -105,6 +129,7 @@ def _request(kind: str, msg: Message, context: Context, state: ClientState, faul
 def query(msg: Message, context: Context) -> Message:
     """Identify: the stable client id and the version of the site this client holds."""
     node_run_config(dict(context.run_config), dict(context.node_config))  # a bad config fails before round 1
+    _worker_timeout(context.node_config)
     client_id, state_dir = _ids(context)
     state = _load_state(context, client_id, state_dir)
     cfg = ConfigRecord({"client-id": client_id, "site-version": state.version,

@@ -13,14 +13,25 @@ Run one per SuperNode host, next to the SuperNode, and point the node at it::
     python -m client.warm_worker --socket /run/pgvi/site-0/worker.sock
     flower-supernode ... --node-config "partition-id=0 num-partitions=3 compute-worker='/run/pgvi/site-0/worker.sock'"
 
-Security: the socket's directory is created with mode 0700 and the connection is authenticated with
-``multiprocessing.connection``'s HMAC challenge, using a random key the worker writes next to the socket
-(``<socket>.key``, mode 0600) and the ClientApp reads.  Only processes of the same user on the same host
-can connect.  Requests are pickled only after that handshake.
+Security: the socket's directory must be private to the worker's user.  A missing directory is created
+with mode 0700; an existing one is never chmod-ed: the worker refuses to start unless it is owned by the
+worker's user and has no group/other permissions (so ``--socket /tmp/w.sock`` or a bare ``--socket w.sock``
+in a shared directory is an error, not a silent ``chmod`` of ``/tmp`` or of the working directory).  The
+connection is authenticated with ``multiprocessing.connection``'s HMAC challenge, using a random key the
+worker writes next to the socket (``<socket>.key``, mode 0600, created afresh with ``O_EXCL|O_NOFOLLOW``)
+and the ClientApp reads.  Only processes of the same user on the same host can connect.  Requests are
+pickled only after that handshake.
+
+Timeouts: the handshake must complete within ``HANDSHAKE_TIMEOUT_S`` (10 s) on both sides: a ClientApp
+whose worker does not answer gets :class:`WorkerUnavailable`, and a peer that connects but stalls cannot
+block the worker (it is dropped, logged, and the worker keeps serving; ``--handshake-timeout-s`` changes
+the worker's bound).  The ClientApp then waits for the result at most ``compute-worker-timeout-s`` (node
+config, default 3600 s) and raises :class:`WorkerTimeout` after that.
 
 Requests are served one at a time (a node has one message in flight).  A ClientApp that disappears
-mid-request (Flower stopped it) costs the computation, not the worker.  If the worker cannot be reached,
-the ClientApp logs a warning and computes in its own process (``client/app.py``).
+mid-request (Flower stopped it) costs the computation, not the worker; a ClientApp that connects while the
+worker is still busy with such an abandoned request times out in the handshake.  If the worker cannot be
+reached, or times out, the ClientApp logs a warning and computes in its own process (``client/app.py``).
 """
 
 from __future__ import annotations
@@ -29,17 +40,26 @@ import argparse
 import os
 import secrets
 import signal
+import socket
+import stat
+import struct
 import sys
 import time
 import traceback
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
 KEY_SUFFIX = ".key"
+HANDSHAKE_TIMEOUT_S = 10.0  # connect + HMAC challenge, each side
+RESULT_TIMEOUT_S = 3600.0  # default of the node config key compute-worker-timeout-s (client/app.py)
 
 
 class WorkerUnavailable(ConnectionError):
-    """The node's compute worker is not running, or its key is missing or wrong."""
+    """The node's compute worker is not running, its key is missing or wrong, or it did not complete the handshake."""
+
+
+class WorkerTimeout(WorkerUnavailable):
+    """The worker took the request but sent no result within the timeout: it is presumably hung."""
 
 
 class WorkerError(RuntimeError):
@@ -50,22 +70,131 @@ class WorkerError(RuntimeError):
         self.kind = kind
 
 
+class SocketDirectoryError(RuntimeError):
+    """The socket's directory exists and is not private to the worker's user."""
+
+
 def key_path(socket_path: str | os.PathLike) -> Path:
     return Path(str(socket_path) + KEY_SUFFIX)
 
 
-def call(socket_path: str | os.PathLike, request: object) -> object:
-    """Send one request to the worker at ``socket_path`` and return its result (or raise what it raised)."""
+class _HandshakeChannel:
+    """``send_bytes``/``recv_bytes`` in :class:`multiprocessing.connection.Connection`'s wire format (a 4-byte
+    big-endian length, then the bytes) over a socket, all under one deadline.
+
+    The stdlib ``deliver_challenge``/``answer_challenge`` use nothing else, so they run unchanged over this
+    channel and the whole handshake cannot outlast the deadline, even against a peer that trickles bytes.  A
+    socket timeout cannot just be left on the socket a ``Connection`` wraps: ``settimeout`` makes the
+    descriptor non-blocking and ``Connection``'s raw reads would fail at once.  Reads never go past the
+    current message, so the ``Connection`` that takes over afterwards starts at the next one.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake timed out")
+        self._sock.settimeout(left)
+
+    def send_bytes(self, buf: bytes) -> None:
+        buf = bytes(buf)
+        self._arm()
+        self._sock.sendall(struct.pack("!i", len(buf)) + buf)
+
+    def _recv_exact(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            self._arm()
+            chunk = self._sock.recv(n)
+            if not chunk:
+                raise EOFError("the peer closed the connection during the handshake")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        (size,) = struct.unpack("!i", self._recv_exact(4))
+        if size < 0 or (maxlength is not None and size > maxlength):
+            raise OSError(f"bad handshake message length {size}")
+        return self._recv_exact(size)
+
+
+def _handshake(sock: socket.socket, authkey: bytes, deadline: float, *, server: bool) -> None:
+    """The HMAC challenge in both directions, in the order ``Listener.accept`` / ``Client`` run it."""
+    channel = _HandshakeChannel(sock, deadline)
+    if server:
+        deliver_challenge(channel, authkey)
+        answer_challenge(channel, authkey)
+    else:
+        answer_challenge(channel, authkey)
+        deliver_challenge(channel, authkey)
+
+
+def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel send/receive timeouts (SO_SNDTIMEO/SO_RCVTIMEO) on a blocking socket: a read or write that makes
+    no progress for ``seconds`` fails with ``BlockingIOError`` (a blocking ``connect`` with ``EAGAIN``)."""
+    sec = min(int(seconds), 2**31 - 1)
+    usec = min(int((seconds - int(seconds)) * 1e6), 999_999) if sec < 2**31 - 1 else 0
+    tv = struct.pack("@ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _connection(sock: socket.socket, io_timeout: float) -> Connection:
+    """Hand an authenticated socket to a blocking ``Connection`` whose reads and writes time out after
+    ``io_timeout`` s without progress."""
+    sock.settimeout(None)  # blocking again: Connection reads and writes the raw descriptor
+    _set_io_timeout(sock, io_timeout)
+    return Connection(sock.detach())
+
+
+def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RESULT_TIMEOUT_S,
+         handshake_timeout: float | None = None) -> object:
+    """Send one request to the worker at ``socket_path`` and return its result (or raise what it raised).
+
+    Raises :class:`WorkerUnavailable` if the worker cannot be reached or does not complete the handshake
+    within ``handshake_timeout`` (default :data:`HANDSHAKE_TIMEOUT_S`), and :class:`WorkerTimeout` if no
+    result arrives within ``timeout`` seconds of sending the request.
+    """
+    hs = HANDSHAKE_TIMEOUT_S if handshake_timeout is None else float(handshake_timeout)
     try:
         key = key_path(socket_path).read_bytes()
-        conn = Client(str(socket_path), family="AF_UNIX", authkey=key)
-    except (OSError, EOFError) as err:  # no key file, no socket, connection refused
+    except OSError as err:  # no key file: no worker
+        raise WorkerUnavailable(f"compute worker at {socket_path} not reachable: {err}") from err
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        deadline = time.monotonic() + hs
+        _set_io_timeout(sock, hs)  # bounds a blocking connect to a worker whose backlog is full
+        sock.connect(str(socket_path))
+        _handshake(sock, key, deadline, server=False)
+        conn = _connection(sock, timeout)
+    except (TimeoutError, BlockingIOError) as err:
+        sock.close()
+        raise WorkerUnavailable(f"compute worker at {socket_path} did not complete the handshake within "
+                                f"{hs:g} s (busy or hung?)") from err
+    except (OSError, EOFError) as err:  # no socket, connection refused, closed during the handshake
+        sock.close()
         raise WorkerUnavailable(f"compute worker at {socket_path} not reachable: {err}") from err
     except Exception as err:  # multiprocessing.AuthenticationError: a stale or wrong key
+        sock.close()
         raise WorkerUnavailable(f"compute worker at {socket_path} refused the connection: {err}") from err
+    except BaseException:
+        sock.close()
+        raise
+    deadline = time.monotonic() + timeout
     with conn:
-        conn.send(request)
-        status, payload = conn.recv()
+        try:
+            conn.send(request)
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise WorkerTimeout(f"compute worker at {socket_path} sent no result within {timeout:g} s "
+                                    "(node config compute-worker-timeout-s)")
+            status, payload = conn.recv()
+        except BlockingIOError as err:  # SO_SNDTIMEO/SO_RCVTIMEO: the worker stopped reading or writing
+            raise WorkerTimeout(f"compute worker at {socket_path} stalled for {timeout:g} s mid-transfer "
+                                "(node config compute-worker-timeout-s)") from err
     if status == "ok":
         return payload
     kind, message, trace = payload
@@ -79,7 +208,10 @@ def call(socket_path: str | os.PathLike, request: object) -> object:
 def _serve_one(conn: Connection, handle) -> None:
     try:
         request = conn.recv()
-    except (EOFError, OSError):
+    except EOFError:
+        return
+    except OSError as err:  # BlockingIOError: no request within the I/O timeout after the handshake
+        print(f"[warm-worker] no request received: {err!r}", file=sys.stderr, flush=True)
         return
     try:
         reply = ("ok", handle(request))
@@ -91,17 +223,50 @@ def _serve_one(conn: Connection, handle) -> None:
         print(f"[warm-worker] the ClientApp left before its reply ({reply[0]})", file=sys.stderr, flush=True)
 
 
-def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None) -> int:
-    """Listen on ``socket_path`` until SIGTERM/SIGINT (or ``max_requests``); returns the requests served."""
+def check_socket_dir(socket_path: str | os.PathLike) -> Path:
+    """Make the socket's directory 0700 if it is missing; else require that it is private to this user.
+
+    An existing directory is never chmod-ed (``--socket /tmp/w.sock`` must not make ``/tmp`` 0700).  Raises
+    :class:`SocketDirectoryError` unless it is a directory owned by the effective user with no group/other
+    permissions.  Returns the directory.
+    """
+    parent = Path(socket_path).parent
+    try:
+        parent.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(parent, 0o700)  # just created by us: 0700 whatever the umask
+    st = os.stat(parent)
+    mode, euid = stat.S_IMODE(st.st_mode), os.geteuid()
+    where = os.path.abspath(parent)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SocketDirectoryError(f"the socket's directory {where} is not a directory")
+    if st.st_uid != euid or mode & 0o077:
+        raise SocketDirectoryError(
+            f"refusing to listen in {where} (owner uid {st.st_uid}, mode {mode:04o}): the socket's directory must "
+            f"be owned by this user (uid {euid}) with no group/other permissions. Give the socket a directory of "
+            "its own (the worker creates a missing one with mode 0700), or chmod 700 a directory only the "
+            "worker uses")
+    return parent
+
+
+def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
+          handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> int:
+    """Listen on ``socket_path`` until SIGTERM/SIGINT (or ``max_requests``); returns the requests served.
+
+    A peer that does not complete the handshake within ``handshake_timeout`` seconds is dropped (and so is one
+    that then sends no request, or stops reading its reply, for that long); the worker keeps serving.
+    """
+    path = Path(socket_path)
+    check_socket_dir(path)
     from client.pgvi_client import handle  # torch, common: loaded once, here
 
-    path = Path(socket_path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
     path.unlink(missing_ok=True)
     key = secrets.token_bytes(32)
     kpath = key_path(path)
-    fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    kpath.unlink(missing_ok=True)  # then O_EXCL|O_NOFOLLOW: a symlink planted here cannot redirect the write
+    fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(key)
     stop = False
@@ -114,16 +279,31 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None) ->
 
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     served = 0
-    listener = Listener(str(path), family="AF_UNIX", authkey=key)
-    print(f"[warm-worker] pid {os.getpid()} ready on {path}", file=sys.stderr, flush=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        listener.bind(str(path))
+        listener.listen(8)
+        print(f"[warm-worker] pid {os.getpid()} ready on {path}", file=sys.stderr, flush=True)
         while not stop and (max_requests is None or served < max_requests):
             try:
-                conn = listener.accept()
+                raw, _ = listener.accept()
             except KeyboardInterrupt:
                 break
-            except Exception as err:  # a failed handshake (wrong key) must not stop the worker
-                print(f"[warm-worker] refused a connection: {err}", file=sys.stderr, flush=True)
+            except OSError as err:  # e.g. out of file descriptors: log, do not spin
+                print(f"[warm-worker] accept failed: {err!r}", file=sys.stderr, flush=True)
+                time.sleep(0.1)
+                continue
+            try:
+                _handshake(raw, key, time.monotonic() + handshake_timeout, server=True)
+                conn = _connection(raw, handshake_timeout)
+            except KeyboardInterrupt:
+                raw.close()
+                break
+            except Exception as err:  # a wrong key or a stalled peer must not stop the worker
+                raw.close()
+                why = (f"no handshake within {handshake_timeout:g} s" if isinstance(err, TimeoutError)
+                       else f"{type(err).__name__}: {err}")
+                print(f"[warm-worker] refused a connection ({why}); still serving", file=sys.stderr, flush=True)
                 continue
             with conn:
                 t = time.perf_counter()
@@ -142,21 +322,39 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None) ->
     return served
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m client.warm_worker", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", required=True, help="Unix socket path (its directory is made 0700)")
+    ap.add_argument("--socket", required=True,
+                    help="Unix socket path; its directory is created 0700 if missing, else must be private to this user")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads (a request's node config overrides it)")
+    ap.add_argument("--handshake-timeout-s", type=_positive_seconds, default=HANDSHAKE_TIMEOUT_S,
+                    help="drop a peer that does not complete the authentication handshake within this time "
+                         f"(default {HANDSHAKE_TIMEOUT_S:g})")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    try:
+        check_socket_dir(args.socket)  # before the slow torch import
+    except (SocketDirectoryError, OSError) as err:
+        sys.exit(f"[warm-worker] {err}")
     import torch
 
     torch.set_num_threads(args.torch_threads)
-    served = serve(args.socket)
+    served = serve(args.socket, handshake_timeout=args.handshake_timeout_s)
     print(f"[warm-worker] stopped after {served} requests", file=sys.stderr, flush=True)
-    # Nothing is left to write (client state is saved atomically inside each request), so skip the interpreter's
+    # Nothing is left to write (the ClientApp saves the client state it gets back), so skip the interpreter's
     # teardown: with ten workers holding Fashion-MNIST shards it took over 10 s on 2 cores (measured with
     # scripts/bench_network.py --warm-workers: 6 of 10 workers were still alive 10 s after SIGTERM).
     sys.stdout.flush()

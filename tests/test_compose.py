@@ -407,6 +407,7 @@ def test_each_node_has_its_own_warm_compute_worker(services):
     from client.warm_worker import build_parser, key_path
 
     assert re.search(r"mkdir -p [^\n]*/app/worker", DOCKERFILE.read_text())  # volume initialised owned by `app`
+    assert re.search(r"chmod 700 /app/worker", DOCKERFILE.read_text())  # ... and private: the worker checks it
     for k in NODES:
         worker = services[f"compute-worker-{k}"]
         assert worker["entrypoint"] == ["python", "-m", "client.warm_worker"]

@@ -2,22 +2,30 @@
 
 Oracle: the same run with every message computed in the ClientApp process; the posterior after the
 run must be bit-for-bit the same when a warm worker computes the updates.  Plus the worker's guards:
-authentication, errors reported with their traceback, fallback when the worker is down, clean shutdown.
+authentication, errors reported with their traceback, fallback when the worker is down, clean shutdown,
+timeouts on both sides (a hung worker or a stalled peer wedges nobody), a private socket directory that is
+never chmod-ed, and a key file that cannot be redirected by a planted symlink.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import client.app as app_module
 from client import warm_worker
 from client.app import app as client_app
 from client.node_request import InjectedFault, Request
@@ -36,8 +44,8 @@ RAW = {
 }
 
 
-def _start_worker(sock: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "client.warm_worker", "--socket", str(sock)], cwd=ROOT,
+def _start_worker(sock: Path, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "client.warm_worker", "--socket", str(sock), *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not (sock.exists() and warm_worker.key_path(sock).exists()):
@@ -50,11 +58,8 @@ def _start_worker(sock: Path) -> subprocess.Popen:
     return proc
 
 
-@pytest.fixture
-def worker(tmp_path):
-    sock = tmp_path / "node" / "worker.sock"
-    proc = _start_worker(sock)
-    yield sock, proc
+def _stop_worker(proc: subprocess.Popen) -> str:
+    """SIGTERM (SIGKILL after 30 s) and return what the worker logged."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -62,7 +67,18 @@ def worker(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    proc.stderr.close()
+    try:
+        return proc.stderr.read()
+    finally:
+        proc.stderr.close()
+
+
+@pytest.fixture
+def worker(tmp_path):
+    sock = tmp_path / "node" / "worker.sock"
+    proc = _start_worker(sock)
+    yield sock, proc
+    _stop_worker(proc)
 
 
 def _run(node_extra: dict) -> tuple[PGVIStrategy, list[dict]]:
@@ -133,6 +149,10 @@ def test_worker_socket_is_private_and_refuses_a_wrong_key(worker, tmp_path):
 
     with pytest.raises(Exception):  # noqa: B017 - multiprocessing.AuthenticationError
         Client(str(sock), family="AF_UNIX", authkey=b"not-the-key")
+    # the worker's bounded handshake speaks the stdlib wire format: a plain Client with the key is served
+    with Client(str(sock), family="AF_UNIX", authkey=warm_worker.key_path(sock).read_bytes()) as conn:
+        conn.send(_request("bogus"))
+        assert conn.recv()[0] == "error"
     res = warm_worker.call(sock, _request("evaluate"))  # the worker survived the failed handshake
     assert 0.0 <= res.metrics["accuracy"] <= 1.0
     assert proc.poll() is None
@@ -159,3 +179,224 @@ def test_sigterm_stops_the_worker_and_removes_socket_and_key(tmp_path):
     assert not sock.exists() and not warm_worker.key_path(sock).exists()
     with pytest.raises(warm_worker.WorkerUnavailable):
         warm_worker.call(sock, _request("evaluate"))
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+def _bounded(fn, limit: float) -> tuple[bool, dict, float]:
+    """Run ``fn`` in a daemon thread for at most ``limit`` s: (finished, {"value"|"error": ...}, seconds).
+
+    Without the timeouts ``fn`` blocked forever; the fake worker's teardown then releases the thread."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out["error"] = err
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    return not thread.is_alive(), out, time.monotonic() - t0
+
+
+class _FakeWorker:
+    """A socket and key laid out like the worker's, served by a thread that never replies.
+
+    ``stall``: accepts and never says a word (no challenge); ``hang``: completes the stdlib HMAC handshake and
+    reads the request, then never replies (a hung worker)."""
+
+    def __init__(self, directory: Path, mode: str) -> None:
+        directory.mkdir(mode=0o700)
+        self.sock = directory / "w.sock"
+        self.key = secrets.token_bytes(32)
+        warm_worker.key_path(self.sock).write_bytes(self.key)
+        self.mode, self.requests = mode, 0
+        self._held: list[socket.socket] = []
+        self._conns: list[Connection] = []
+        self._stop = threading.Event()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self.sock))
+        self._listener.listen(8)
+        self._listener.settimeout(0.1)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                s, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            s.setblocking(True)
+            self._held.append(s)
+            if self.mode == "stall":
+                continue
+            conn = Connection(os.dup(s.fileno()))
+            self._conns.append(conn)
+            try:
+                deliver_challenge(conn, self.key)
+                answer_challenge(conn, self.key)
+                conn.recv()
+                self.requests += 1
+            except Exception:  # noqa: BLE001 - the client left; so does this fake
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in self._held:  # wakes a read blocked in the thread, and an old-style call() blocked on us
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self._thread.join(10)
+        self._listener.close()
+        for c in self._conns:
+            c.close()
+        assert not self._thread.is_alive()
+
+
+@pytest.fixture
+def fake_worker(tmp_path):
+    made: list[_FakeWorker] = []
+
+    def make(mode: str) -> _FakeWorker:
+        made.append(_FakeWorker(tmp_path / f"fake-{mode}", mode))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def test_call_times_out_when_the_worker_never_replies(fake_worker):
+    fake = fake_worker("hang")
+    done, out, took = _bounded(lambda: warm_worker.call(fake.sock, _request("evaluate"), timeout=1), 30)
+    assert done, "call() blocked on a worker that never replies"
+    assert isinstance(out.get("error"), warm_worker.WorkerTimeout), out
+    assert "within 1 s" in str(out["error"]) and took < 10
+    assert fake.requests == 1  # it was the result that never came, not the handshake
+
+
+def test_clientapp_computes_itself_when_the_worker_hangs(fake_worker, monkeypatch):
+    fake = fake_worker("hang")
+    logged: list[tuple[int, str]] = []
+    monkeypatch.setattr(app_module, "log", lambda level, msg, *args: logged.append((level, msg % args)))
+    request = _request("evaluate")
+    ctx = SimpleNamespace(node_config={"compute-worker": str(fake.sock), "compute-worker-timeout-s": 1})
+    done, out, took = _bounded(lambda: app_module._compute(request, ctx), 60)
+    assert done, "the ClientApp blocked on a hung worker (in Flower 1.39 this wedges the SuperNode)"
+    assert "value" in out, out
+    from client.pgvi_client import handle
+
+    assert out["value"].metrics == handle(request).metrics  # computed in this process instead
+    assert [lv for lv, m in logged if "looks hung" in m and "computing in the ClientApp process" in m] == [30]
+
+
+def test_call_gives_up_on_a_worker_that_never_completes_the_handshake(fake_worker, monkeypatch):
+    fake = fake_worker("stall")
+    monkeypatch.setattr(warm_worker, "HANDSHAKE_TIMEOUT_S", 0.5, raising=False)
+    done, out, took = _bounded(lambda: warm_worker.call(fake.sock, _request("evaluate")), 30)
+    assert done, "call() blocked on a peer that never sends the challenge"
+    err = out.get("error")
+    assert type(err) is warm_worker.WorkerUnavailable and "handshake" in str(err), out  # the ClientApp falls back
+    assert took < 5
+
+
+@pytest.mark.parametrize("bad", [0, -1, "abc", "", True, float("nan"), float("inf")])
+def test_compute_worker_timeout_must_be_a_positive_number(bad, monkeypatch, tmp_path):
+    import client.pgvi_client
+
+    monkeypatch.setattr(client.pgvi_client, "handle", lambda req: "computed")  # the fallback, if reached
+    ctx = SimpleNamespace(node_config={"compute-worker": str(tmp_path / "none.sock"), "compute-worker-timeout-s": bad})
+    with pytest.raises(ValueError, match="compute-worker-timeout-s"):
+        app_module._compute(_request("evaluate"), ctx)
+
+
+def test_compute_worker_timeout_values():
+    assert app_module._worker_timeout({}) == warm_worker.RESULT_TIMEOUT_S == 3600
+    assert app_module._worker_timeout({"compute-worker-timeout-s": 1}) == 1.0
+    assert app_module._worker_timeout({"compute-worker-timeout-s": "2.5"}) == 2.5
+
+
+def test_a_stalled_peer_does_not_block_the_worker(tmp_path):
+    sock = tmp_path / "node" / "worker.sock"
+    proc = _start_worker(sock, "--handshake-timeout-s", "1")
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        stalled.connect(str(sock))  # and never answers the challenge
+        done, out, took = _bounded(lambda: warm_worker.call(sock, _request("evaluate"), handshake_timeout=30), 90)
+        assert done, "the worker is stuck on the stalled peer"
+        assert 0.0 <= out["value"].metrics["accuracy"] <= 1.0, out
+        stalled.settimeout(10)
+        while stalled.recv(4096):  # the challenge, then the worker hung up
+            pass
+    finally:
+        stalled.close()
+        log = _stop_worker(proc)
+    assert "refused a connection (no handshake within 1 s); still serving" in log, log
+
+
+# --------------------------------------------------------------------------- socket directory and key file
+
+
+def test_worker_refuses_a_socket_dir_that_is_not_private_and_leaves_it_alone(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    sock = shared / "w.sock"
+    try:  # the old worker chmod-ed the directory and served (as root, `--socket /tmp/x.sock` made /tmp 0700)
+        res = subprocess.run([sys.executable, "-m", "client.warm_worker", "--socket", str(sock)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the worker started in a directory that is not private")
+    assert res.returncode != 0
+    assert "refusing to listen in" in res.stderr and "mode 0755" in res.stderr, res.stderr
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o755
+    assert not sock.exists() and not warm_worker.key_path(sock).exists()
+
+
+def test_check_socket_dir_never_chmods_an_existing_directory(tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    os.chmod(cwd, 0o755)
+    monkeypatch.chdir(cwd)
+    with pytest.raises(warm_worker.SocketDirectoryError, match="no group/other permissions"):
+        warm_worker.check_socket_dir("worker.sock")  # a bare name: the working directory
+    assert stat.S_IMODE(os.stat(cwd).st_mode) == 0o755
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert warm_worker.check_socket_dir(private / "w.sock") == private
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+
+    fresh = tmp_path / "a" / "b" / "w.sock"  # missing: created 0700
+    assert stat.S_IMODE(os.stat(warm_worker.check_socket_dir(fresh)).st_mode) == 0o700
+
+    uid = os.geteuid()
+    monkeypatch.setattr(warm_worker.os, "geteuid", lambda: uid + 1)
+    with pytest.raises(warm_worker.SocketDirectoryError, match=f"owner uid {uid}"):
+        warm_worker.check_socket_dir(private / "w.sock")  # someone else's directory
+
+
+def test_key_file_is_not_written_through_a_planted_symlink(tmp_path):
+    node = tmp_path / "node"
+    node.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    sock = node / "worker.sock"
+    kp = warm_worker.key_path(sock)
+    os.symlink(victim, kp)
+    proc = _start_worker(sock)
+    try:
+        assert victim.read_bytes() == b"precious"
+        assert not kp.is_symlink() and stat.S_IMODE(os.lstat(kp).st_mode) == 0o600 and len(kp.read_bytes()) == 32
+        assert 0.0 <= warm_worker.call(sock, _request("evaluate")).metrics["accuracy"] <= 1.0
+    finally:
+        _stop_worker(proc)
