@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.client_state import ClientState
-from common.config import RunConfig, parse_run_config
+from common.config import ConfigError, RunConfig, parse_run_config
 from common.errors import PGVIError
 
 Scalar = bool | bytes | float | int | str
@@ -59,7 +59,10 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
             f"node config num-partitions={node_config['num-partitions']} disagrees with run config "
             f"num-clients={cfg.num_clients}"
         )
-    if "batch-size" in node_config:
-        cfg = cfg.model_copy(update={"batch_size": int(node_config["batch-size"])})
+    if "batch-size" in node_config:  # validated like the run config's own key (>= 0; 0 = full batch)
+        try:
+            cfg = parse_run_config({**cfg.to_flat(), "batch-size": node_config["batch-size"]})
+        except ConfigError as err:
+            raise PGVIError(f"node config {err}".replace("invalid run config: ", "")) from None
     client_id = str(node_config.get("client-id", f"site-{partition_id}"))
     return cfg, partition_id, client_id

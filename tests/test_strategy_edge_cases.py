@@ -255,3 +255,15 @@ def test_asynchronous_rounds_hold_exactly_num_clients_outcomes():
     assert [r["applied"] + r["rejected"] + r["failed"] for r in rows] == [3.0] * 6
     assert sum(strategy.ledger_versions.values()) == 18
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+
+
+@pytest.mark.parametrize("bad", [-3, "x", 2.5])
+def test_a_bad_node_batch_size_fails_at_identification_not_in_training(bad):
+    """Node config ``batch-size`` is validated like the run config's key when the node identifies itself, so the
+    node never joins (and the run does not start with it) instead of failing every train message."""
+    from client.node_request import node_run_config
+    from common.errors import PGVIError
+
+    assert node_run_config({}, {"batch-size": 64})[0].batch_size == 64
+    with pytest.raises(PGVIError, match="node config batch-size"):
+        node_run_config({}, {"batch-size": bad})
