@@ -105,12 +105,17 @@ def sgd_epochs(model: DeterministicMLP, x: np.ndarray, y: np.ndarray, config: SG
     return trace
 
 
-def predict_probs(model: DeterministicMLP, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
-    """Softmax class probabilities, shape ``(N, num_classes)``, float64."""
+def predict_log_probs(model: DeterministicMLP, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
+    """Log-softmax class probabilities, shape ``(N, num_classes)``, float64 (exact NLL, see common.metrics)."""
     model.eval()
     out = []
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             xb = torch.as_tensor(x[start : start + batch_size], dtype=torch.float32)
-            out.append(torch.softmax(model(xb).double(), dim=-1).numpy())
+            out.append(torch.log_softmax(model(xb).double(), dim=-1).numpy())
     return np.concatenate(out) if out else np.zeros((0, 0))
+
+
+def predict_probs(model: DeterministicMLP, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
+    """Softmax class probabilities, shape ``(N, num_classes)``, float64."""
+    return np.exp(predict_log_probs(model, x, batch_size))

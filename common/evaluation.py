@@ -27,8 +27,8 @@ def evaluate_posterior(
         if problem.model.is_classifier:
             from common.metrics import classification_metrics
 
-            probs = problem.model.predictive_probs(q, xt, n_samples, generator=gen)
-            out = classification_metrics(probs.double().numpy(), np.asarray(y))
+            log_probs = problem.model.predictive_log_probs(q, xt, n_samples, generator=gen).numpy()
+            out = classification_metrics(np.exp(log_probs), np.asarray(y), log_probs=log_probs)  # exact NLL
         else:
             theta = q.rsample(n_samples, generator=gen)
             pred = problem.model.output(theta, xt)

@@ -3,9 +3,11 @@
 Definitions (``p_n`` the predicted probability vector of point ``n``, ``y_n`` its label):
 
 * accuracy: ``mean_n [argmax_c p_nc == y_n]`` (ties go to the lowest class index, as ``np.argmax``).
-* NLL: ``mean_n -log max(p_{n y_n}, floor)``.  The floor (default ``1e-12``, so one point contributes at most
-  ``-log 1e-12 = 27.63``) only matters for a predictive that gives probability (numerically) zero to the
-  true class; it keeps the mean finite.  Pass ``floor=0`` to get ``inf`` in that case instead.
+* NLL: ``mean_n -log p_{n y_n}``.  Given the predictive's log-probabilities (``log_probs``, e.g.
+  ``logsumexp_s log p_s - log S`` of a Monte Carlo predictive) it is computed from them exactly, however small
+  the probability.  From probabilities alone it is ``mean_n -log max(p_{n y_n}, floor)``: the floor (default
+  ``1e-12``, at most ``27.63`` a point) keeps the mean finite where a probability underflowed to zero, and so
+  *under*states the NLL of an over-confident predictive; pass ``log_probs`` wherever they exist.
 * ECE (Guo et al., 2017, top-label): confidence ``c_n = max_c p_nc``; 15 equal-width bins
   ``B_b = (b/15, (b+1)/15]`` for ``b = 0..14`` (right-closed; a confidence of 0 would go to bin 0);
   ``ECE = sum_b |B_b|/N * |acc(B_b) - conf(B_b)|`` with ``acc`` the fraction correct and ``conf`` the mean
@@ -28,6 +30,7 @@ __all__ = [
     "classification_metrics",
     "expected_calibration_error",
     "negative_log_likelihood",
+    "negative_log_likelihood_from_log_probs",
     "reliability_bins",
 ]
 
@@ -87,6 +90,20 @@ def negative_log_likelihood(probs: np.ndarray, y: np.ndarray, floor: float = NLL
         return float(np.mean(-np.log(np.maximum(picked, floor))))
 
 
+def negative_log_likelihood_from_log_probs(log_probs: np.ndarray, y: np.ndarray) -> float:
+    """Mean ``-log p(y_n)`` from the predictive's log-probabilities ``(N, C)`` (no floor)."""
+    lp = np.asarray(log_probs, dtype=np.float64)
+    labels = np.asarray(y).astype(np.int64)
+    if lp.ndim != 2 or lp.shape[0] != labels.shape[0]:
+        raise ValueError(f"log_probs must have shape ({labels.shape[0]}, C), got {lp.shape}")
+    if np.any(np.isnan(lp)) or np.any(lp > 1e-6):
+        raise ValueError("log_probs must be <= 0 and not NaN")
+    worst = float(np.max(np.abs(np.logaddexp.reduce(lp, axis=1))))
+    if worst > _ROW_SUM_ATOL:
+        raise ValueError(f"each row of exp(log_probs) must sum to 1 (largest log-sum {worst:.3g})")
+    return float(np.mean(-lp[np.arange(lp.shape[0]), labels]))
+
+
 def reliability_bins(probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS) -> dict[str, np.ndarray]:
     """Per-bin counts, accuracy and mean confidence of the top label (the ingredients of the ECE).
 
@@ -128,13 +145,22 @@ def brier_score(probs: np.ndarray, y: np.ndarray) -> float:
 
 
 def classification_metrics(
-    probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS, nll_floor: float = NLL_FLOOR
+    probs: np.ndarray,
+    y: np.ndarray,
+    num_bins: int = DEFAULT_NUM_BINS,
+    nll_floor: float = NLL_FLOOR,
+    log_probs: np.ndarray | None = None,
 ) -> dict[str, float | int]:
-    """``{"accuracy", "nll", "ece", "brier", "num_points"}`` of the predictive ``probs`` on labels ``y``."""
+    """``{"accuracy", "nll", "ece", "brier", "num_points"}`` of the predictive ``probs`` on labels ``y``; the
+    NLL comes from ``log_probs`` when given (exact), else from ``probs`` with ``nll_floor``."""
     p, labels = _check(probs, y)
+    if log_probs is not None and np.max(np.abs(np.exp(np.asarray(log_probs, dtype=np.float64)) - p)) > _ROW_SUM_ATOL:
+        raise ValueError("log_probs are not the log of probs")
+    nll = (negative_log_likelihood_from_log_probs(log_probs, labels) if log_probs is not None
+           else negative_log_likelihood(p, labels, floor=nll_floor))
     return {
         "accuracy": accuracy(p, labels),
-        "nll": negative_log_likelihood(p, labels, floor=nll_floor),
+        "nll": nll,
         "ece": expected_calibration_error(p, labels, num_bins),
         "brier": brier_score(p, labels),
         "num_points": int(p.shape[0]),

@@ -99,6 +99,15 @@ class LikelihoodModel(ABC):
     ) -> Tensor:
         """Classifiers: the posterior predictive ``E_q[softmax(logits(theta, x))]``, shape ``(B, C)``,
         estimated with ``n_samples`` samples of ``theta ~ q`` (drawn in chunks to bound memory)."""
+        log_p = self.predictive_log_probs(q, x, n_samples, generator=generator)
+        return log_p.exp().to(self.dtype_of(q))
+
+    def predictive_log_probs(
+        self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``log E_q[softmax(...)]`` in float64, ``logsumexp_s log p_s - log S``: exact where the averaged
+        probability underflows (the NLL of an over-confident predictive needs it).  Same draws as
+        :meth:`predictive_probs`."""
         if not self.is_classifier:
             raise TypeError(f"{self.name} is not a classifier: predictive_probs is for classifiers")
         n_samples = _positive_int(n_samples, "n_samples", self.name)
@@ -115,11 +124,15 @@ class LikelihoodModel(ABC):
                 theta = q.rsample(s, generator=generator)
                 out = self.output(theta, x)
                 assert isinstance(out, CategoricalOutput)
-                probs = out.log_probs.exp().sum(0)
-                total = probs if total is None else total + probs
+                part = torch.logsumexp(out.log_probs.double(), 0)
+                total = part if total is None else torch.logaddexp(total, part)
                 done += s
         assert total is not None
-        return total / n_samples
+        return total - math.log(n_samples)
+
+    @staticmethod
+    def dtype_of(q: GaussianFactor) -> torch.dtype:
+        return next(iter(q.params.values())).dtype
 
 
 MODELS: Registry[LikelihoodModel] = Registry("model")
@@ -449,6 +462,14 @@ class BayesianMLP(LikelihoodModel):
         """``E_q[softmax(f_theta(x))]``, shape ``(B, C)``, by the local reparameterisation (exact per point,
         see the class docstring), in chunks of points to bound memory (each point's first-layer moments are
         computed once, whatever ``n_samples``)."""
+        log_p = self.predictive_log_probs(q, x, n_samples, generator=generator)
+        return log_p.exp().to(self.dtype_of(q))
+
+    def predictive_log_probs(
+        self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``log`` of :meth:`predictive_probs`, in float64, as ``logsumexp_s log p_s - log S`` (exact where the
+        averaged probability underflows); same draws."""
         if not isinstance(q, MeanFieldGaussian):
             raise TypeError(f"{self.name}: q must be a MeanFieldGaussian, got {type(q).__name__}")
         if set(q.names) != set(self.param_shapes):
@@ -463,9 +484,9 @@ class BayesianMLP(LikelihoodModel):
         with torch.no_grad():
             for start in range(0, b, chunk):
                 out = self.output_local_reparam(mean, var, x[start:start + chunk], n_samples, generator=generator)
-                parts.append(out.log_probs.exp().mean(0))
+                parts.append(torch.logsumexp(out.log_probs.double(), 0) - math.log(n_samples))
         if not parts:
-            return torch.zeros((0, self.num_classes), dtype=mean["layers.0.weight"].dtype)
+            return torch.zeros((0, self.num_classes), dtype=torch.float64)
         return torch.cat(parts)
 
     # ----------------------------------------------------------------------------------------------

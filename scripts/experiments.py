@@ -161,7 +161,9 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         return None
     cfg = json.loads((run_dir / "run_config.json").read_text())
     summary = json.loads(summary_path.read_text())
-    final = rows[-1]
+    final = dict(rows[-1])
+    if (run_dir / RESCORED).exists():  # final metrics recomputed with the current evaluation (see ``rescore``)
+        final.update(json.loads((run_dir / RESCORED).read_text())["final"])
     secs = [r["client-seconds-mean"] for r in rows if "client-seconds-mean" in r]
     epochs = [r["client-epochs-mean"] for r in rows if "client-epochs-mean" in r]
     return {
@@ -350,8 +352,9 @@ def _plot_curves(exp_dir: Path, rows: list[dict[str, object]], group: str | None
         print(f"wrote {out}")
 
 
-def _test_probs(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarray]:
-    """Predictive probabilities of a finished run's final model on the clean test set."""
+def _final_predictive(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(probs, log_probs, labels)`` of a finished run's final model on the clean test set, with the draws the
+    run's own evaluation used (generator seeded with the run's seed, ``eval-samples`` samples)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -363,19 +366,49 @@ def _test_probs(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarray]:
     cfg = parse_run_config(raw)
     data = load_full_data(cfg)
     if method == "fedavg":
-        from common.deterministic_mlp import DeterministicMLP, predict_probs
+        from common.deterministic_mlp import DeterministicMLP, predict_log_probs
 
         model = DeterministicMLP(data.x_train.shape[1], cfg.hidden_sizes, data.num_classes)
         with np.load(run_dir / "model.npz") as z:
             model.set_arrays({k: z[k] for k in z.files})
-        return predict_probs(model, data.x_test), data.y_test
+        log_probs = predict_log_probs(model, data.x_test)
+        return np.exp(log_probs), log_probs, data.y_test
     problem = build_problem(cfg, data)
     with np.load(run_dir / "posterior.npz") as z:
         q = problem.prior.from_numpy({k: z[k] for k in z.files})
     xt, _ = problem.tensors(data.x_test, data.y_test)
     with torch.no_grad():
-        probs = problem.model.predictive_probs(q, xt, cfg.eval_samples, generator=torch.Generator().manual_seed(0))
-    return probs.double().numpy(), data.y_test
+        gen = torch.Generator().manual_seed(cfg.seed)
+        log_probs = problem.model.predictive_log_probs(q, xt, cfg.eval_samples, generator=gen).numpy()
+    return np.exp(log_probs), log_probs, data.y_test
+
+
+RESCORED = "rescored.json"
+
+
+def rescore(exp_dir: Path) -> None:
+    """Recompute each finished run's final-round test metrics from its saved final model with the current
+    evaluation code, into ``<run>/rescored.json`` (the report prefers it).  Made for the NLL fix of 2026-11-23:
+    runs recorded before it floored the predictive probability at 1e-12 inside the NLL."""
+    from common.metrics import classification_metrics
+
+    for run_dir in sorted(p for p in exp_dir.glob("*") if (p / "summary.json").exists()):
+        rows = [r for r in _rows(run_dir) if r.get("round", 0) >= 1 and "test-accuracy" in r]
+        if not rows:
+            continue
+        method = json.loads((run_dir / "run_config.json").read_text()).get("method") or run_dir.name.split("-")[0]
+        probs, log_probs, y = _final_predictive(run_dir, method)
+        m = classification_metrics(probs, y, log_probs=log_probs)
+        final = {f"test-{k}": float(v) for k, v in m.items() if k != "num_points"}
+        rec = rows[-1]
+        same_draws = abs(final["test-accuracy"] - rec["test-accuracy"]) < 1e-12
+        (run_dir / RESCORED).write_text(json.dumps({
+            "final": final, "recorded": {k: rec[k] for k in final if k in rec}, "same-draws": same_draws,
+            "why": "final-round metrics recomputed from the saved final model; NLL exact from log-probabilities",
+        }, indent=1))
+        print(f"{run_dir.name}: NLL {rec['test-nll']:.4f} -> {final['test-nll']:.4f}; accuracy "
+              f"{'unchanged' if same_draws else 'DIFFERS: %.4f -> %.4f' % (rec['test-accuracy'], final['test-accuracy'])}",
+              flush=True)
 
 
 def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]], tag: str = "") -> None:
@@ -389,7 +422,7 @@ def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]], tag: str = "
             continue
         fig, axes = plt.subplots(1, len(sel), figsize=(3.6 * len(sel), 3.6), squeeze=False)
         for ax, r in zip(axes[0], sel):
-            probs, y = _test_probs(exp_dir / r["run"], r["method"])
+            probs, _, y = _final_predictive(exp_dir / r["run"], r["method"])
             bins = reliability_bins(probs, y)
             conf, acc, count = bins["confidence"], bins["accuracy"], bins["count"]
             edges = np.linspace(0, 1, len(count) + 1)
@@ -426,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--dry-run", action="store_true", help="print the commands only")
         p.add_argument("-c", "--config", action="append", default=[], help="extra run-config override key=value")
     sub.add_parser("report", help="tables and plots of the finished runs")
+    sub.add_parser("rescore", help="recompute the final-round test metrics of finished runs (exact NLL)")
     args = ap.parse_args(argv)
 
     if args.cmd in ("fmnist-noise", "fmnist-noniid"):
@@ -441,6 +475,11 @@ def main(argv: list[str] | None = None) -> None:
             run.name += args.suffix
             execute(run, dry_run=args.dry_run)
         return  # several lanes may run at once: only `report` writes the tables and plots
+    if args.cmd == "rescore":
+        for exp in ("fmnist_noise", "fmnist_noniid"):
+            if (RUNS / exp).exists():
+                rescore(RUNS / exp)
+        return
     print(report_fmnist_noise(RUNS / "fmnist_noise"))
     print(report_fmnist_noniid(RUNS / "fmnist_noniid"))
 

@@ -97,3 +97,34 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     assert sorted(E._shown_label(r, True) for r in long_rows) == [
         "FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 20 local epochs]",
         "FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs]"]
+
+
+def test_rescore_recomputes_the_final_metrics_from_the_saved_model_and_the_report_uses_them(tmp_path):
+    """A run recorded with the old, floored NLL: ``rescore`` re-evaluates its saved final posterior with the run's
+    own draws (accuracy identical) and the exact NLL, and ``summarise`` then reports the rescored values."""
+    import torch
+
+    from common.evaluation import evaluate_posterior
+    from common.problem import build_problem, load_full_data
+
+    raw = {"model": "bnn", "hidden": "8", "dataset": "digits", "num-clients": 2, "min-clients": 2,
+           "eval-samples": 5, "seed": 3, "label-noise": 0.0, "dtype": "float32"}
+    cfg = parse_run_config(raw)
+    data = load_full_data(cfg)
+    problem = build_problem(cfg, data)
+    mean = problem.model.init_mean(generator=torch.Generator().manual_seed(0), scale=8.0, dtype=torch.float32)
+    q = problem.prior.__class__.from_mean_variance(mean, {k: torch.full_like(v, 1e-3) for k, v in mean.items()})
+    honest = evaluate_posterior(problem, q, data.x_test, data.y_test, cfg.eval_samples, seed=cfg.seed)
+    extra = {k: v for k, v in raw.items() if k not in ("seed", "label-noise")}
+    d = _fake_run(tmp_path, "fedgvi-noise00-seed3", "fedgvi", 0.0, 3, [honest["accuracy"]], [honest["ece"]], **extra)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[-1].update({"test-nll": 0.5, "test-brier": honest["brier"]})  # what the floored NLL had recorded
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    np.savez(d / "posterior.npz", **q.to_numpy())
+    assert E.summarise(d)["final-nll"] == 0.5
+    E.rescore(tmp_path)
+    out = json.loads((d / E.RESCORED).read_text())
+    assert out["same-draws"] and out["recorded"]["test-nll"] == 0.5
+    s = E.summarise(d)
+    assert s["final-nll"] == pytest.approx(honest["nll"], rel=1e-12)
+    assert s["final-accuracy"] == honest["accuracy"] and s["final-ece"] == pytest.approx(honest["ece"], abs=1e-12)

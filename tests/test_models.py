@@ -385,3 +385,30 @@ def test_bnn_flops():
     assert model.forward_flops(256, 10, True) == 256 * model.flops_per_point(True, n_samples=10)
     with pytest.raises(ValueError, match="n_samples"):
         model.flops_per_point(True)
+
+
+@pytest.mark.parametrize("kind", ["bnn", "logistic"])
+def test_predictive_log_probs_are_the_log_of_the_predictive_and_exact_where_it_underflows(kind):
+    """``predictive_log_probs`` = log of ``predictive_probs`` (same draws), and stays exact for a predictive so
+    confident that the averaged probability of a class is below float64's smallest number."""
+    if kind == "bnn":
+        model, mean, var, x, _ = _small_bnn()
+        q = MeanFieldGaussian.from_mean_variance(mean, var)
+        big = MeanFieldGaussian.from_mean_variance({k: 400.0 * v for k, v in mean.items()},
+                                                   {k: 1e-6 * torch.ones_like(v) for k, v in var.items()})
+    else:
+        model = make_model("logistic_regression", in_features=2)
+        q = FullCovarianceGaussian.from_mean_covariance(torch.tensor([0.5, -1.0, 0.2], dtype=DT),
+                                                        0.3 * torch.eye(3, dtype=DT))
+        big = FullCovarianceGaussian.from_mean_covariance(torch.tensor([900.0, -700.0, 0.0], dtype=DT),
+                                                          1e-6 * torch.eye(3, dtype=DT))
+        x = torch.tensor([[1.0, 2.0], [-0.5, 0.3], [2.0, -1.0]], dtype=DT)
+    lp = model.predictive_log_probs(q, x, 50, generator=torch.Generator().manual_seed(1))
+    p = model.predictive_probs(q, x, 50, generator=torch.Generator().manual_seed(1))
+    assert lp.dtype == torch.float64
+    torch.testing.assert_close(lp.exp(), p.double(), rtol=1e-6, atol=1e-12)
+    # reference: logsumexp over the same S samples of the per-sample log-softmax, minus log S
+    lp_big = model.predictive_log_probs(big, x, 7, generator=torch.Generator().manual_seed(2))
+    assert torch.isfinite(lp_big).all() and lp_big.min() < -800  # exp() of it is 0 even in float64
+    assert (model.predictive_probs(big, x, 7, generator=torch.Generator().manual_seed(2)) == 0).any()
+    torch.testing.assert_close(torch.logsumexp(lp_big, -1), torch.zeros(len(x), dtype=torch.float64))
