@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,7 +178,36 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "final-brier": final["test-brier"], "wall-seconds": float(summary.get("wall-seconds", math.nan)),
         "client-seconds-per-round": float(np.mean(secs)) if secs else math.nan,
         "client-epochs-per-round": float(np.mean(epochs)) if epochs else math.nan,
+        "config": json.dumps({k: v for k, v in sorted(cfg.items()) if k not in _NOT_SETTINGS}),
     }
+
+
+#: run-config keys that may differ between runs averaged into one table cell (the cell's own coordinates)
+_NOT_SETTINGS = {"seed", "label-noise", "output-dir"}
+
+
+def _separate_settings(rows: list[dict[str, object]], group: Callable[[dict[str, object]], object],
+                       field: str = "label") -> None:
+    """Runs that ``group`` would average together must share every setting but the seed and the noise level.
+    Where they do not, each run's ``field`` gets the settings that differ (``[mc-samples=1]``), so that they
+    land in different rows instead of one mean; runs with the same settings and seed are reported on stderr."""
+    groups: dict[object, list[dict[str, object]]] = {}
+    for r in rows:
+        groups.setdefault(group(r), []).append(r)
+    for members in groups.values():
+        configs = [json.loads(str(r["config"])) for r in members]
+        keys = sorted({k for c in configs for k in c})
+        differing = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+        for r, c in zip(members, configs):
+            if differing:
+                r[field] = f"{r[field]} [" + ", ".join(f"{k}={c.get(k, '—')}" for k in differing) + "]"
+        seen: dict[tuple, str] = {}
+        for r in members:
+            key = (r[field], r["noise"], r["seed"])
+            if key in seen:
+                print(f"warning: runs {seen[key]} and {r['run']} have the same settings and seed; both are "
+                      "counted in the mean", file=sys.stderr)
+            seen[key] = str(r["run"])
 
 
 def _budget_label(cfg: dict) -> str:
@@ -230,6 +260,7 @@ def report_fmnist_noise(exp_dir: Path) -> str:
     rows = [s for d in sorted(exp_dir.iterdir()) if d.is_dir() and (s := summarise(d))] if exp_dir.exists() else []
     if not rows:
         return f"no finished runs in {exp_dir}\n"
+    _separate_settings(rows, lambda r: (r["label"], r["budget"]))
     _write_tables(exp_dir, rows)
     noises = sorted({r["noise"] for r in rows})
     order = {m: i for i, m in enumerate(METHODS)}
@@ -282,6 +313,7 @@ def report_fmnist_noniid(exp_dir: Path) -> str:
     rows = [s for d in sorted(exp_dir.iterdir()) if d.is_dir() and (s := summarise(d))] if exp_dir.exists() else []
     if not rows:
         return f"no finished runs in {exp_dir}\n"
+    _separate_settings(rows, lambda r: (r["method"], r["schedule"]), field="schedule")
     _write_tables(exp_dir, rows)
     lines = ["| method | schedule | seeds | acc best (%) | acc final (%) | ECE final (%) | NLL final | wall s |",
              "|---|---|---|---|---|---|---|---|"]

@@ -128,3 +128,17 @@ def test_rescore_recomputes_the_final_metrics_from_the_saved_model_and_the_repor
     s = E.summarise(d)
     assert s["final-nll"] == pytest.approx(honest["nll"], rel=1e-12)
     assert s["final-accuracy"] == honest["accuracy"] and s["final-ece"] == pytest.approx(honest["ece"], abs=1e-12)
+
+
+def test_report_never_averages_runs_whose_settings_differ_beyond_the_seed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    monkeypatch.setattr(E, "_plot_reliability", lambda *a: None)
+    _fake_run(tmp_path, "fedgvi-noise40-seed0", "fedgvi", 0.4, 0, [0.5, 0.80], [0.1, 0.1])
+    _fake_run(tmp_path, "fedgvi-noise40-seed1", "fedgvi", 0.4, 1, [0.5, 0.82], [0.1, 0.1])
+    _fake_run(tmp_path, "fedgvi-noise40-seed0-mc1", "fedgvi", 0.4, 0, [0.5, 0.60], [0.1, 0.1], **{"mc-samples": 1})
+    _fake_run(tmp_path, "fedgvi-noise40-seed0-again", "fedgvi", 0.4, 0, [0.5, 0.81], [0.1, 0.1])
+    text = E.report_fmnist_noise(tmp_path)
+    # before: one cell "70.00 ± 10.00 (3 seeds)"-style mean over all four runs
+    assert "| FedGVI (GCE 0.8 + AR 2.5) [mc-samples=1] | acc final | 60.00 (1 seed) |" in text
+    assert "| FedGVI (GCE 0.8 + AR 2.5) [mc-samples=—] | acc final | 81.00 ± 1.00 (3 seeds) |" in text
+    assert "have the same settings and seed" in capsys.readouterr().err  # -seed0 and -seed0-again
