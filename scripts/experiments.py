@@ -162,6 +162,11 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         return None
     cfg = json.loads((run_dir / "run_config.json").read_text())
     summary = json.loads(summary_path.read_text())
+    planned = int(cfg.get("num-server-rounds", 0))
+    if int(rows[-1]["round"]) < planned:  # e.g. an asynchronous run that hit its overall deadline
+        print(f"warning: {run_dir.name} stopped after round {int(rows[-1]['round'])} of {planned}: not reported",
+              file=sys.stderr)
+        return None
     final = dict(rows[-1])
     if (run_dir / RESCORED).exists():  # final metrics recomputed with the current evaluation (see ``rescore``)
         final.update(json.loads((run_dir / RESCORED).read_text())["final"])

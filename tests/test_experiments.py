@@ -52,6 +52,9 @@ def test_summarise_reports_best_over_rounds_and_final_round_separately(tmp_path)
     assert s["client-seconds-per-round"] == pytest.approx(4.0)
     (d / "summary.json").unlink()
     assert E.summarise(d) is None  # an unfinished run is not reported
+    short = _fake_run(tmp_path, "fedgvi-noise40-seed1", "fedgvi", 0.4, 1, [0.80, 0.86], [0.05, 0.02],
+                      **{"num-server-rounds": 5})
+    assert E.summarise(short) is None  # finished early (e.g. an asynchronous deadline): not reported either
 
 
 def test_variant_label_names_loss_weight_and_learning_rate_when_not_default():
