@@ -1,8 +1,8 @@
 """Crash-safe files: an ``.npz`` of named arrays plus a JSON header, replaced atomically.
 
 Write = temp file in the same directory + fsync + ``os.replace`` + directory fsync, so a reader sees either
-the old file or the new one, never a torn write, even across a power cut.  Used for the client state and the
-server checkpoint.
+the old file or the new one, never a torn write, even across a power cut.  Used for the client state, the
+server checkpoint and a run's result files.
 """
 
 from __future__ import annotations
@@ -10,21 +10,25 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 _META_KEY = "__meta__"
 
 
-def atomic_save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int = 0o600) -> Path:
+    """Call ``write(f)`` on a temp file beside ``path``, fsync it, then atomically replace ``path`` with it.
+    The file gets ``mode`` (default 0600: client state and checkpoints are private; result files pass 0644)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            header = np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8)
-            np.savez(f, **{_META_KEY: header}, **arrays)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -38,6 +42,11 @@ def atomic_save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
             os.unlink(tmp)
         raise
     return path
+
+
+def atomic_save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    header = np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8)
+    return atomic_write(path, lambda f: np.savez(f, **{_META_KEY: header}, **arrays))
 
 
 def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:

@@ -57,6 +57,8 @@ def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) ->
             "ledger-versions": strategy.ledger_versions,
             "rejections": strategy.rejections,
             "final": strategy.history[-1] if strategy.history else {},
+            "rounds-completed": strategy.round_completed,
+            "rounds-planned": cfg.num_server_rounds,
         },
     )
     log(INFO, "PGVI records written to %s", out_dir)

@@ -276,6 +276,7 @@ class PGVIStrategy(Strategy):
             self._run_asynchronous(grid, num_rounds, timeout, result)
         else:
             for rnd in range(self.round_completed + 1, num_rounds + 1):
+                self._await_clients(grid, rnd)
                 stats = RoundStats()
                 if self.cfg.schedule == "synchronous":
                     self._round_synchronous(grid, rnd, timeout, stats)
@@ -373,6 +374,8 @@ class PGVIStrategy(Strategy):
             if time.time() > deadline:
                 log(WARNING, "asynchronous schedule: overall deadline reached at round %d", rnd)
                 break
+            if not inflight:
+                self._await_clients(grid, rnd)
             free = [n for n in self._sample_nodes(grid, fraction=1.0) if n not in busy]
             if free:
                 msgs = [self._train_message(n, rnd) for n in free]
@@ -515,6 +518,24 @@ class PGVIStrategy(Strategy):
         limit = self.cfg.max_bad_replies
         return bool(limit) and self.bad_replies.get(client_id, 0) >= limit
 
+    def _await_clients(self, grid: Grid, rnd: int) -> None:
+        """Before a round (or, asynchronously, when nothing is in flight): if no usable client is connected, wait
+        up to ``wait-for-clients-s`` for one; then stop with :class:`AllClientsFailed` rather than run empty
+        rounds and report the run as completed."""
+        deadline = time.time() + self.cfg.wait_for_clients_s
+        while not self._known_nodes(grid):
+            self._check_not_all_excluded()
+            if time.time() >= deadline:
+                raise AllClientsFailed(f"round {rnd}: no client is connected (waited wait-for-clients-s="
+                                       f"{self.cfg.wait_for_clients_s:g}s)")
+            log(WARNING, "round %d: no client is connected; waiting for one", rnd)
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
+
+    def _check_not_all_excluded(self) -> None:
+        if self.node_client and all(self._excluded(c) for c in self.node_client.values()):
+            raise AllClientsFailed(f"every client is excluded (max-bad-replies={self.cfg.max_bad_replies}): "
+                                   f"{', '.join(sorted(set(self.node_client.values())))}")
+
     def _known_nodes(self, grid: Grid) -> list[int]:
         nodes = list(grid.get_node_ids())
         self._discover(grid, nodes)
@@ -523,9 +544,8 @@ class PGVIStrategy(Strategy):
 
     def _sample_nodes(self, grid: Grid, fraction: float | None = None) -> list[int]:
         nodes = self._known_nodes(grid)
-        if not nodes and self.node_client and all(self._excluded(c) for c in self.node_client.values()):
-            raise AllClientsFailed(f"every client is excluded (max-bad-replies={self.cfg.max_bad_replies}): "
-                                   f"{', '.join(sorted(set(self.node_client.values())))}")
+        if not nodes:
+            self._check_not_all_excluded()
         frac = self.cfg.fraction_train if fraction is None else fraction
         k = max(1, int(round(frac * len(nodes))))  # min-clients gates the start of the run, not each round
         if k >= len(nodes):

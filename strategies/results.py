@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from logging import INFO
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from flwr.supercore import log
 
+from common.atomic_io import atomic_write
 from common.families import GaussianFactor
 
 _TABLE_COLUMNS = [
@@ -57,16 +59,22 @@ class RoundRecorder:
         log(INFO, "PGVI | " + " ".join(cells))
 
     def finish(self, posterior: GaussianFactor, sites: dict[str, GaussianFactor], extra: dict) -> None:
+        """Write the run's result files, each atomically (a crash leaves the old file or none, never a torn
+        one); ``summary.json`` last, so that its presence means the others are complete."""
         self.write_csv()
-        np.savez(self.out_dir / "posterior.npz", **posterior.to_numpy())
+        arrays = posterior.to_numpy()
+        atomic_write(self.out_dir / "posterior.npz", lambda f: np.savez(f, **arrays), mode=0o644)
         ledger = {f"{cid}|{k}": v for cid, s in sites.items() for k, v in s.to_numpy().items()}
-        np.savez(self.out_dir / "sites.npz", **ledger)
-        (self.out_dir / "summary.json").write_text(json.dumps(extra, indent=2, default=str))
+        atomic_write(self.out_dir / "sites.npz", lambda f: np.savez(f, **ledger), mode=0o644)
+        text = json.dumps(extra, indent=2, default=str).encode()
+        atomic_write(self.out_dir / "summary.json", lambda f: f.write(text), mode=0o644)
 
     def write_csv(self) -> None:
         keys = sorted({k for r in self.rows for k in r}, key=lambda k: (k != "round", k))
-        with (self.out_dir / "metrics.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            for r in self.rows:
-                w.writerow(r)
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=keys)
+        w.writeheader()
+        for r in self.rows:
+            w.writerow(r)
+        data = buf.getvalue().encode()
+        atomic_write(self.out_dir / "metrics.csv", lambda f: f.write(data), mode=0o644)

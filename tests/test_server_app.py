@@ -53,3 +53,36 @@ def test_every_server_divergence_builds(server_divergence, extra):
     _, problem = prepare({**app_config(), "server-divergence": server_divergence, **extra})
     post = problem.server_step(problem.prior, problem.prior.zeros_like())
     assert post.is_proper()
+
+
+def test_result_files_are_replaced_atomically_and_readable(tmp_path, monkeypatch):
+    """A crash while writing a result file leaves the previous file (or none), never a torn one."""
+    import json as _json
+
+    import numpy as np
+
+    from common.atomic_io import atomic_write
+    from strategies.results import RoundRecorder
+
+    target = tmp_path / "summary.json"
+    atomic_write(target, lambda f: f.write(b'{"ok": 1}'), mode=0o644)
+
+    def crash(f):
+        f.write(b'{"half')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, crash)
+    assert _json.loads(target.read_text()) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temp file left
+    assert (target.stat().st_mode & 0o777) == 0o644
+    from common.families import MeanFieldGaussian
+    import torch
+
+    q = MeanFieldGaussian.from_mean_variance({"w": torch.zeros(3)}, {"w": torch.ones(3)})
+    rec = RoundRecorder(tmp_path / "run", {"a": 1})
+    rec.record(1, {"round": 1.0, "test-accuracy": 0.5})
+    rec.finish(q, {"site-0": q}, {"rounds-completed": 1})
+    with np.load(tmp_path / "run" / "posterior.npz") as z:
+        assert sorted(z.files) == sorted(q.to_numpy())
+    assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0] == "round,test-accuracy"

@@ -267,3 +267,17 @@ def test_a_bad_node_batch_size_fails_at_identification_not_in_training(bad):
     assert node_run_config({}, {"batch-size": 64})[0].batch_size == 64
     with pytest.raises(PGVIError, match="node config batch-size"):
         node_run_config({}, {"batch-size": bad})
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential", "asynchronous"])
+def test_run_stops_instead_of_completing_when_every_node_is_gone(schedule):
+    """Every node disconnects after round 1: the run must not carry on with empty rounds and end 'completed'."""
+    from strategies.pgvi import AllClientsFailed
+
+    def all_gone(rnd, grid):
+        if rnd == 1:
+            for n in list(grid.contexts):
+                grid.remove_node(n)
+
+    with pytest.raises(AllClientsFailed, match="no client is connected"):
+        run({"schedule": schedule, "num-server-rounds": 4}, between_rounds=all_gone)
