@@ -194,6 +194,12 @@ class RunConfig(BaseModel):
             errors.append(
                 f"min-clients: {self.min_clients} is more than the {self.num_clients} clients of the federation (num-clients)"
             )
+        regression = ("synthetic_gaussian_location", "synthetic_linear_regression")
+        if self.model in ("gaussian_location", "linear_regression") and self.dataset not in regression:
+            errors.append(f"dataset: model '{self.model}' needs real-valued targets ({' or '.join(regression)}); "
+                          f"'{self.dataset}' is a classification dataset")
+        if self.model in ("logistic_regression", "bnn") and self.dataset in regression:
+            errors.append(f"dataset: model '{self.model}' is a classifier; '{self.dataset}' has real-valued targets")
         if self.family == "full_covariance" and self.model == "bnn":
             errors.append("family: a BNN needs family 'mean_field'")
         if self.schedule != "synchronous":

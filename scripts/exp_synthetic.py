@@ -483,7 +483,7 @@ def run_logistic2d(out: Path, img: Path, seeds: int = 5, tiny: bool = False) -> 
             shards = [(x[p], y[p]) for p in parts]
             settings = {
                 "model": "logistic_regression", "family": "mean_field", "dtype": "float64",
-                "dataset": "synthetic_gaussian_location",  # not loaded: the data are passed in
+                "dataset": "synthetic_logistic_2d",  # not loaded: the data are passed in
                 "prior-mean": 0.0, "prior-variance": 100.0, "num-clients": num_clients, "min-clients": 1,
                 "schedule": "synchronous", "damping": rho, "local-epochs": LOCAL_EPOCHS, "lr": 0.05,
                 "lr-scale": 0.05, "patience": 5, "seed": seed, **meth["cfg"],

@@ -27,9 +27,19 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
         data = load_full_data(cfg)
     except FileNotFoundError as err:
         raise ConfigError(f"invalid run config: dataset/data-dir: {err}") from None
+    except ValueError as err:  # e.g. a test-fraction that leaves too few points for the split
+        raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    return cfg, build_problem(cfg, data)
+    problem = build_problem(cfg, data)
+    if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
+        from strategies.checkpoint import CheckpointMismatch, load_checkpoint
+
+        try:
+            load_checkpoint(PGVIStrategy(problem), cfg.resume)
+        except (FileNotFoundError, CheckpointMismatch) as err:
+            raise ConfigError(f"invalid run config: resume: {err}") from None
+    return cfg, problem
 
 
 def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) -> PGVIStrategy:

@@ -82,6 +82,9 @@ BAD = [
     ({"schedule": "asynchronous", "aggregator": "median"}, "aggregator", "synchronous"),
     ({"schedule": "asynchronous", "aggregator": "norm_clip"}, "aggregator-clip-norm", "fixed bound"),
     ({"sequential-order": "site-1, site-0, site-1"}, "sequential-order", "site-1"),
+    ({"model": "gaussian_location", "dataset": "digits"}, "dataset", "real-valued"),
+    ({"model": "linear_regression", "dataset": "breast_cancer"}, "dataset", "real-valued"),
+    ({"model": "bnn", "dataset": "synthetic_linear_regression"}, "dataset", "classifier"),
 ]
 
 
@@ -107,7 +110,7 @@ def test_valid_edge_values():
     # the guarded hyperparameters only matter for the loss / divergence that uses them
     assert parse_run_config({"loss": "nll", "loss-delta": 0.0, "loss-beta": 0.5}).loss == "nll"
     assert parse_run_config({"divergence": "kl", "divergence-alpha": 1.0}).divergence == "kl"
-    assert parse_run_config({"loss": "score_matching", "model": "linear_regression"}).loss == "score_matching"
+    assert parse_run_config({"loss": "score_matching", "model": "linear_regression", "dataset": "synthetic_linear_regression"}).loss == "score_matching"
     assert parse_run_config({"family": "full_covariance", "model": "logistic_regression"}).family == "full_covariance"
 
 

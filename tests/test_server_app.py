@@ -30,6 +30,9 @@ def app_config() -> dict:
         ({"min-clients": 4, "num-clients": 3}, "min-clients", "more than the 3 clients"),
         ({"dataset": "mnist", "data-dir": "/nonexistent/pgvi-data"}, "dataset", "/nonexistent/pgvi-data"),
         ({"dataset": "no_such_dataset"}, "dataset", "no_such_dataset"),
+        ({"model": "gaussian_location", "dataset": "digits"}, "dataset", "real-valued"),
+        ({"test-fraction": 0.9995}, "test-fraction", ""),
+        ({"resume": "/nonexistent/pgvi-run"}, "resume", "no checkpoint"),
     ],
 )
 def test_bad_run_config_is_one_clear_error(override, key, text):
@@ -86,3 +89,17 @@ def test_result_files_are_replaced_atomically_and_readable(tmp_path, monkeypatch
     with np.load(tmp_path / "run" / "posterior.npz") as z:
         assert sorted(z.files) == sorted(q.to_numpy())
     assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0] == "round,test-accuracy"
+
+
+def test_resume_from_a_checkpoint_of_another_run_config_is_a_config_error(tmp_path):
+    from strategies.checkpoint import save_checkpoint
+    from strategies.pgvi import PGVIStrategy
+
+    cfg, problem = prepare(app_config())
+    strategy = PGVIStrategy(problem)
+    strategy.state.site("site-0")
+    strategy.ledger_versions["site-0"] = 0
+    save_checkpoint(strategy, tmp_path)
+    assert prepare({**app_config(), "resume": str(tmp_path)})[0].resume == str(tmp_path)
+    with pytest.raises(ConfigError, match="resume: run config differs from the checkpoint's in: seed"):
+        prepare({**app_config(), "resume": str(tmp_path), "seed": cfg.seed + 1})
