@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install everything PGVI needs (torch from the local wheel cache, Flower 1.39, test tools).
-# Idempotent: a second run only checks.
+# Create .venv and install everything PGVI needs: torch 2.14.1 + torchvision 0.29.1 (the default PyPI build of
+# torch, with CUDA libraries: about 4-5 GB, from a local pip cache or index where one is configured, else
+# downloaded), Flower 1.39 with its simulation engine, and the test tools.
+# Idempotent: a second run skips torch if it imports and re-checks the project install (pip, a few seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
