@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -86,6 +87,7 @@ __all__ = [
     "FLOWER_BASE_ENV",
     "ProcInfo",
     "RunResult",
+    "ephemeral_port_range",
     "find_free_ports",
     "free_port_kwargs",
     "main",
@@ -195,10 +197,52 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def find_free_ports(n: int, host: str = "127.0.0.1", low: int = 20000, high: int = 60000) -> list[int]:
-    """``n`` distinct currently-free TCP ports in ``[low, high)`` (random, not ephemeral)."""
+#: Linux's ephemeral (auto-assigned) local port range; outgoing connections draw from it.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_EPHEMERAL_FALLBACK = (32768, 60999)  # Linux default
+
+
+def ephemeral_port_range(path: str | os.PathLike[str] | None = None) -> tuple[int, int]:
+    """``(low, high)`` of the kernel's ephemeral port range (inclusive); the Linux default
+    ``(32768, 60999)`` when it cannot be read."""
+    try:
+        low, high = (int(x) for x in Path(path or EPHEMERAL_RANGE_FILE).read_text().split()[:2])
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+    if not 1 <= low <= high <= 65535:
+        return _EPHEMERAL_FALLBACK
+    return low, high
+
+
+def _listen_port_window(min_low: int = 20000, min_size: int = 2000) -> tuple[int, int]:
+    """``[low, high)`` for listening ports outside the ephemeral range: below its lower bound
+    (from ``min_low``), else above its upper bound when the space below is too small."""
+    eph_low, eph_high = ephemeral_port_range()
+    if eph_low - min_low >= min_size:
+        return min_low, eph_low
+    if eph_low - 1024 >= min_size:
+        return 1024, eph_low
+    if 65536 - (eph_high + 1) >= min_size:
+        return eph_high + 1, 65536
+    raise DeploymentError(
+        f"the ephemeral port range {eph_low}-{eph_high} ({EPHEMERAL_RANGE_FILE}) leaves no room for "
+        "listening ports; pass explicit ports"
+    )
+
+
+def find_free_ports(n: int, host: str = "127.0.0.1", low: int | None = None, high: int | None = None) -> list[int]:
+    """``n`` distinct currently-free TCP ports in ``[low, high)``, drawn at random.
+
+    By default the window lies outside the kernel's ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``; usually below 32768, from 20000), so an
+    outgoing connection cannot take a chosen port between this check and the bind.
+    """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if low is None or high is None:
+        win_low, win_high = _listen_port_window()
+        low = win_low if low is None else low
+        high = win_high if high is None else high
     rng = secrets.SystemRandom()
     ports: list[int] = []
     for _ in range(200 * n):
@@ -704,8 +748,13 @@ class Deployment:
         if self.insecure:
             self.pki = None
             return
+        extra = self.host_sans()
         if self.certs_dir is None:
-            self.pki = pki.ensure_pki(self.run_dir / "certs", self.num_nodes, log=log.info)
+            # the certificate must name the address the SuperNodes and the CLI connect to
+            try:
+                self.pki = pki.ensure_pki(self.run_dir / "certs", self.num_nodes, extra, log=log.info)
+            except ValueError as err:
+                raise DeploymentError(f"PKI in {self.run_dir / 'certs'}: {err}") from None
             return
         files = pki.PkiFiles(
             out_dir=self.certs_dir,
@@ -722,11 +771,31 @@ class Deployment:
         if self.isolation == "process":
             need += [p for k in range(self.num_nodes) for p in self.node_runtime_cert(k)]
         missing = [str(p) for p in need if not p.exists()]
+        san_args = "".join(f" --san {h}" for h in extra)
         if missing:
             raise DeploymentError(
                 f"missing PKI files {missing}; create them with "
-                f"`python scripts/pki.py --out {self.certs_dir} --supernodes {self.num_nodes}`"
+                f"`python scripts/pki.py --out {self.certs_dir} --supernodes {self.num_nodes}{san_args}`"
             )
+        for h in extra:
+            if not pki.cert_covers_host(files.server_cert, h):
+                raise DeploymentError(
+                    f"{files.server_cert} does not list {h} (--host) among its subjectAltNames, so no "
+                    f"client could verify it; re-issue it with `python scripts/pki.py --out {self.certs_dir} "
+                    f"--supernodes {self.num_nodes}{san_args}` (needs ca.key)"
+                )
+
+    def host_sans(self) -> list[str]:
+        """Extra SANs the SuperLink certificate needs for ``host``: none for loopback, ``localhost``
+        and the wildcard addresses (clients then connect to 127.0.0.1), else ``[host]``."""
+        h = self.host.strip("[]")
+        if h.lower() in ("", "localhost"):
+            return []
+        try:
+            ip = ipaddress.ip_address(h)
+        except ValueError:
+            return [h]  # a DNS name
+        return [] if ip.is_loopback or ip.is_unspecified else [str(ip)]
 
     def _write_cli_config(self) -> Path:
         conn: dict[str, Any] = {"address": f"{_connect_host(self.host)}:{self.control_port}"}
@@ -830,6 +899,7 @@ class Deployment:
         url = f"{scheme}://{host}:{self.control_port}/health"
         deadline = time.monotonic() + timeout
         health_ok = False
+        tls_error: BaseException | None = None  # the last TLS failure of the health check
         while time.monotonic() < deadline:
             if not self._alive(link):
                 raise DeploymentError(
@@ -839,13 +909,19 @@ class Deployment:
                 try:
                     with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
                         health_ok = resp.status == 200
-                except (urllib.error.URLError, OSError, ssl.SSLError):
-                    pass
+                except (urllib.error.URLError, OSError, ssl.SSLError) as err:
+                    reason = err.reason if isinstance(err, urllib.error.URLError) else err
+                    if isinstance(reason, ssl.SSLError):
+                        tls_error = reason
             if health_ok:
                 with contextlib.suppress(OSError), socket.create_connection((host, self.fleet_port), timeout=1):
                     return
             time.sleep(0.25)
-        raise DeploymentError(f"SuperLink not ready after {timeout}s:\n{_tail(link.log_path)}")
+        why = ""
+        if tls_error is not None and not health_ok:
+            why = (f" TLS handshake with {url} failed: {tls_error}. The server certificate must be issued by "
+                   f"{self.ca_cert} and list {host} among its subjectAltNames.")
+        raise DeploymentError(f"SuperLink not ready after {timeout}s.{why}\n{_tail(link.log_path)}")
 
     def start_node(self, k: int, *, private_key: Path | None = None) -> ProcInfo:
         """Start SuperNode ``k`` (and its SuperExec with ``isolation='process'``)."""
@@ -1074,10 +1150,22 @@ class Deployment:
         """
         if run_config and run_config_args:
             raise ValueError("give run_config (dict) or run_config_args (-c strings), not both")
-        self._run_counter += 1
-        n = self._run_counter
+        # The next N whose log does not exist yet (claimed with O_EXCL), persisted at once: neither a later
+        # `deploy.py run` (a new process, attach()) nor a new `up` on this run dir overwrites this run's
+        # log and run config, even if another process wrote back an older counter.
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.logs_dir / f"flwr-run-{n}.log"
+        n = self._run_counter + 1
+        while True:
+            log_path = self.logs_dir / f"flwr-run-{n}.log"
+            if not (self.run_dir / f"run-config-{n}.toml").exists():
+                try:
+                    log_path.open("x").close()
+                    break
+                except FileExistsError:
+                    pass
+            n += 1
+        self._run_counter = n
+        self._save_state()
         cmd = [self._bin("flwr"), "run", str(self.app_dir), self.connection]
         if stream:
             cmd.append("--stream")
@@ -1097,6 +1185,12 @@ class Deployment:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(popen.pid, signal.SIGKILL)
             popen.wait()
+        except BaseException:  # Ctrl-C / SIGTERM: the CLI runs in its own session, stop it too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=5)
+            raise
         text = _ANSI.sub("", Path(log_path).read_text(errors="replace"))
         ids = _RUN_STARTED.findall(text)
         run_id = int(ids[-1]) if ids else None
@@ -1206,7 +1300,7 @@ class Deployment:
         """Re-open a deployment started by another process (``deploy.py up``)."""
         path = Path(run_dir).resolve() / STATE_FILE
         if not path.exists():
-            raise DeploymentError(f"no deployment state in {path}")
+            raise DeploymentError(f"no deployment state in {path} (nothing was started there with `deploy.py up`)")
         st = json.loads(path.read_text())
         dep = cls(
             st["num_nodes"],
@@ -1294,8 +1388,10 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run", action="store_true", help="then run the app (flwr run --stream)")
     up.add_argument("-c", "--run-config", action="append", default=[], help="passed to flwr run")
     up.add_argument("--run-timeout", type=float, default=3600.0)
-    up.add_argument("--down-after", action="store_true", help="stop everything after --run")
-    up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops all")
+    up.add_argument("--down-after", action="store_true",
+                    help="stop everything after --run (also on Ctrl-C, SIGTERM or an error)")  # fmt: skip
+    up.add_argument("--foreground", action="store_true",
+                    help="stay attached; Ctrl-C, SIGTERM or SIGHUP stops all processes")  # fmt: skip
 
     run = sub.add_parser("run", help="run the app on a deployment started with `up`")
     _add_common(run)
@@ -1343,85 +1439,146 @@ def _print_result(res: RunResult) -> None:
     }, indent=2))  # fmt: skip
 
 
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def _signal_handlers(handler: Any, sigs: Sequence[int]) -> Any:
+    """Install ``handler`` for ``sigs`` (main thread only), restoring the old handlers on exit."""
+    old: dict[int, Any] = {}
+    for sig in sigs:
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # pragma: no cover - not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+#: Signals that stop `up`/`run` like Ctrl-C does (KeyboardInterrupt, so cleanup runs).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_quietly(dep: Deployment) -> None:
+    """``dep.stop()`` that a second Ctrl-C/SIGTERM cannot cut short (it takes <~20 s)."""
+    with _signal_handlers(signal.SIG_IGN, (signal.SIGINT, *_STOP_SIGNALS)):
+        print("stopping all processes ...", file=sys.stderr, flush=True)
+        dep.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command == "up" else logging.WARNING,
         format="%(asctime)s deploy %(levelname)s %(message)s",
     )
-    if args.command == "up":
-        if args.insecure and args.auth:
-            print("--auth needs TLS: it cannot be combined with --insecure", file=sys.stderr)
+    try:
+        if args.command in ("up", "run"):
+            # SIGTERM/SIGHUP act like Ctrl-C: the `finally` blocks below (and in run_app) run
+            with _signal_handlers(_raise_interrupt, _STOP_SIGNALS):
+                return _up(args) if args.command == "up" else _run(args)
+        return _down(args) if args.command == "down" else _status(args)
+    except DeploymentError as err:
+        print(f"deploy.py {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as err:
+        print(f"deploy.py {args.command}: interrupted ({err or 'Ctrl-C'})", file=sys.stderr)
+        return 130
+
+
+def _up(args: argparse.Namespace) -> int:
+    if args.insecure and args.auth:
+        print("--auth needs TLS: it cannot be combined with --insecure", file=sys.stderr)
+        return 2
+    dep = Deployment(
+        args.nodes,
+        run_dir=args.run_dir,
+        app_dir=args.app,
+        certs_dir=args.certs,
+        insecure=args.insecure,
+        auth=args.auth,
+        host=args.host,
+        fleet_port=args.fleet_port,
+        control_port=args.control_port,
+        node_port_base=args.node_port_base,
+        isolation=args.isolation,
+        connection=args.connection,
+        node_config=_parse_kv(args.node_config),
+        node_configs=_parse_per_node(args.node_config_for),
+        superexec_poll_interval=args.poll_interval,
+        superlink_state=args.superlink_state,
+        warm_workers=args.warm_workers,
+    )
+    old = Path(args.run_dir).resolve() / STATE_FILE
+    if old.exists():
+        prev = Deployment.attach(args.run_dir)
+        if any(p["alive"] for p in prev.process_table()):
+            print(f"a deployment is already running in {args.run_dir}; `deploy.py down` first",
+                  file=sys.stderr)  # fmt: skip
             return 2
-        dep = Deployment(
-            args.nodes,
-            run_dir=args.run_dir,
-            app_dir=args.app,
-            certs_dir=args.certs,
-            insecure=args.insecure,
-            auth=args.auth,
-            host=args.host,
-            fleet_port=args.fleet_port,
-            control_port=args.control_port,
-            node_port_base=args.node_port_base,
-            isolation=args.isolation,
-            connection=args.connection,
-            node_config=_parse_kv(args.node_config),
-            node_configs=_parse_per_node(args.node_config_for),
-            superexec_poll_interval=args.poll_interval,
-            superlink_state=args.superlink_state,
-            warm_workers=args.warm_workers,
-        )
-        old = Path(args.run_dir).resolve() / STATE_FILE
-        if old.exists():
-            prev = Deployment.attach(args.run_dir)
-            if any(p["alive"] for p in prev.process_table()):
-                print(f"a deployment is already running in {args.run_dir}; `deploy.py down` first",
-                      file=sys.stderr)  # fmt: skip
-                return 2
+    # --foreground / --down-after: whatever ends this process (run done, Ctrl-C, SIGTERM, an error)
+    # stops every process; otherwise the deployment outlives `up` unless it failed to come up.
+    stop_at_exit = args.foreground or args.down_after
+    stopped = False
+    try:
         try:
             dep.start()
             dep.wait_online(timeout=args.timeout)
         except BaseException:
-            dep.stop()
+            _stop_quietly(dep)
+            stopped = True
             raise
-        mode = "INSECURE (no TLS, no auth)" if dep.insecure else "TLS, NO SuperNode auth" if not dep.auth else "TLS + SuperNode auth"
-        print(f"{dep.num_nodes} SuperNodes online [{mode}]; FLWR_HOME={dep.cli_home} connection={dep.connection}")
-        print(f"  FLWR_HOME={dep.cli_home} flwr supernode ls {dep.connection}")
+        mode = ("INSECURE (no TLS, no auth)" if dep.insecure else "TLS, NO SuperNode auth" if not dep.auth
+                else "TLS + SuperNode auth")  # fmt: skip
+        print(f"{dep.num_nodes} SuperNodes online [{mode}]; FLWR_HOME={dep.cli_home} connection={dep.connection}",
+              flush=True)  # fmt: skip
+        print(f"  FLWR_HOME={dep.cli_home} flwr supernode ls {dep.connection}", flush=True)
         rc = 0
         if args.run:
             res = dep.run_app(run_config_args=args.run_config, timeout=args.run_timeout)
             _print_result(res)
             rc = 0 if res.ok else 1
         if args.foreground:
-            print("running; Ctrl-C stops all processes")
+            print("running; Ctrl-C or SIGTERM stops all processes", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)
-        if args.foreground or args.down_after:
-            dep.stop()
         return rc
+    finally:
+        if stop_at_exit and not stopped:
+            _stop_quietly(dep)
+
+
+def _run(args: argparse.Namespace) -> int:
     dep = Deployment.attach(args.run_dir)
-    if args.command == "run":
-        res = dep.run_app(run_config_args=args.run_config, timeout=args.timeout)
-        _print_result(res)
-        return 0 if res.ok else 1
-    if args.command == "down":
-        leftovers = dep.stop()
-        remaining = dep.leftover_processes()
-        print(json.dumps({"stopped": [p.name for p in dep.procs], "leftovers-killed": leftovers,
-                          "remaining": remaining}))  # fmt: skip
-        return 0 if not remaining else 1
-    if args.command == "status":
-        out: dict[str, Any] = {"processes": dep.process_table()}
-        try:
-            out["nodes"] = dep.list_nodes()
-            out["runs"] = dep.list_runs()
-        except DeploymentError as err:
-            out["error"] = str(err)
-        print(json.dumps(out, indent=2))
-        return 0
-    return 2  # pragma: no cover
+    res = dep.run_app(run_config_args=args.run_config, timeout=args.timeout)
+    _print_result(res)
+    return 0 if res.ok else 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    dep = Deployment.attach(args.run_dir)
+    leftovers = dep.stop()
+    remaining = dep.leftover_processes()
+    print(json.dumps({"stopped": [p.name for p in dep.procs], "leftovers-killed": leftovers,
+                      "remaining": remaining}))  # fmt: skip
+    return 0 if not remaining else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    dep = Deployment.attach(args.run_dir)
+    out: dict[str, Any] = {"processes": dep.process_table()}
+    try:
+        out["nodes"] = dep.list_nodes()
+        out["runs"] = dep.list_runs()
+    except DeploymentError as err:
+        out["error"] = str(err)
+    print(json.dumps(out, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ SAN set lacks a requested name, or that was not issued by the current CA, is re-
 time). Private keys are written with mode 0600 and never overwritten in place (write to
 a temporary file, then rename).
 
+The CA key may live offline: with ``ca.crt`` present but ``ca.key`` absent, nothing is
+created when every needed certificate already exists and is valid; when one must be
+issued, the tool fails and asks for ``ca.key`` (it never replaces an existing ``ca.crt``
+with a new CA unless ``--force``). A reused CA that has expired, or that has fewer than 30
+days left when a certificate must be issued, is an error naming its expiry date.
+
 Nothing generated here is meant to be committed: ``.gitignore`` ignores every ``certs/``
 directory (the repo's and each deployment's ``runs/<dir>/certs/``) and every ``*.key``,
 ``*.pem`` and ``*.crt``; ``tests/test_pki.py`` checks that and that no key is tracked.
@@ -57,6 +63,7 @@ __all__ = [
     "NodeKeyPair",
     "PkiFiles",
     "RuntimeCert",
+    "cert_covers_host",
     "ensure_pki",
     "generate_node_keypair",
     "main",
@@ -73,6 +80,8 @@ _CURVE = ec.SECP384R1
 _HASH = hashes.SHA384
 #: Re-issue a reused server certificate that expires within this many days.
 _RENEW_MARGIN_DAYS = 7
+#: Refuse to issue a certificate from a reused CA that expires within this many days.
+_CA_MIN_REMAINING_DAYS = 30
 
 
 @dataclass(frozen=True)
@@ -268,6 +277,42 @@ def _make_server_cert(
     )
 
 
+def _leaf_problem(
+    cert_path: Path,
+    key_path: Path,
+    ca_cert: x509.Certificate,
+    dns: Sequence[str],
+    ips: Sequence[str],
+) -> str | None:
+    """Why the existing leaf certificate cannot be reused (``None``: it can).
+
+    Reusable means: issued by this CA, matching its key, valid for at least
+    ``_RENEW_MARGIN_DAYS`` more days, and its SANs cover ``dns`` and ``ips``.
+    """
+    if not (cert_path.exists() and key_path.exists()):
+        return "missing"
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        key = _load_private_pem(key_path)
+        cert.verify_directly_issued_by(ca_cert)
+    except Exception:  # noqa: BLE001 - unreadable, foreign CA, bad signature: re-issue
+        return "unreadable or not issued by this CA"
+    if cert.public_key().public_numbers() != key.public_key().public_numbers():
+        return f"does not match {key_path.name}"
+    if cert.not_valid_after_utc - _now() < _dt.timedelta(days=_RENEW_MARGIN_DAYS):
+        return f"expires on {cert.not_valid_after_utc:%Y-%m-%d}"
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return "has no subjectAltName"
+    have_dns = {d.lower() for d in san.get_values_for_type(x509.DNSName)}
+    have_ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+    lacking = [d for d in dns if d.lower() not in have_dns] + [i for i in ips if i not in have_ips]
+    if lacking:
+        return f"SAN lacks {', '.join(lacking)}"
+    return None
+
+
 def _server_cert_reusable(
     cert_path: Path,
     key_path: Path,
@@ -276,31 +321,33 @@ def _server_cert_reusable(
     ips: Sequence[str],
 ) -> bool:
     """True when the existing server cert is from this CA, matches its key, covers the SANs."""
-    if not (cert_path.exists() and key_path.exists()):
-        return False
-    try:
-        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-        key = _load_private_pem(key_path)
-        cert.verify_directly_issued_by(ca_cert)
-    except Exception:  # noqa: BLE001 - unreadable, foreign CA, bad signature: re-issue
-        return False
-    if cert.public_key().public_numbers() != key.public_key().public_numbers():
-        return False
-    if cert.not_valid_after_utc - _now() < _dt.timedelta(days=_RENEW_MARGIN_DAYS):
-        return False
+    return _leaf_problem(cert_path, key_path, ca_cert, dns, ips) is None
+
+
+def cert_covers_host(cert_path: str | os.PathLike[str], host: str) -> bool:
+    """True when the certificate's subjectAltNames contain ``host`` (an IP or a DNS name;
+    a ``*.example.org`` entry covers one leftmost label)."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return False
-    have_dns = {d.lower() for d in san.get_values_for_type(x509.DNSName)}
-    have_ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
-    return {d.lower() for d in dns} <= have_dns and set(ips) <= have_ips
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        name = host.lower().rstrip(".")
+        for d in san.get_values_for_type(x509.DNSName):
+            d = d.lower().rstrip(".")
+            if d == name or (d.startswith("*.") and "." in name and name.split(".", 1)[1] == d[2:]):
+                return True
+        return False
+    return ip in san.get_values_for_type(x509.IPAddress)
 
 
 def _ensure_leaf(
     cert_p: Path,
     key_p: Path,
-    ca_key: ec.EllipticCurvePrivateKey,
+    ca_key: ec.EllipticCurvePrivateKey | None,
     ca_cert: x509.Certificate,
     dns: Sequence[str],
     ips: Sequence[str],
@@ -309,7 +356,10 @@ def _ensure_leaf(
     valid_days: int,
     say,
 ) -> None:
-    """Reuse ``cert_p``/``key_p`` when valid for this CA and SAN set, else (re-)issue."""
+    """Reuse ``cert_p``/``key_p`` when valid for this CA and SAN set, else (re-)issue.
+
+    The caller has checked (:func:`ensure_pki`) that ``ca_key`` is available whenever a
+    certificate must be issued."""
     if not renew and _server_cert_reusable(cert_p, key_p, ca_cert, dns, ips):
         _ensure_private_mode(key_p)
         say(f"reuse certificate {cert_p}")
@@ -324,6 +374,7 @@ def _ensure_leaf(
     else:
         leaf_key = ec.generate_private_key(_CURVE())
         _write_private_pem(key_p, leaf_key)
+    assert ca_key is not None, "ensure_pki checks the CA key before issuing"
     cert = _make_server_cert(ca_key, ca_cert, leaf_key, dns, ips, valid_days)
     _write_atomic(cert_p, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     say(f"new certificate {cert_p} (SAN: {', '.join([*dns, *ips])})")
@@ -386,6 +437,10 @@ def ensure_pki(
         Extra DNS names / IP addresses for the SuperLink certificate.
     force:
         Regenerate everything, including the CA and the node keys.
+        Without it an existing ``ca.crt`` is always kept; if ``ca.key`` is absent (kept
+        offline), only existing valid certificates are used and ``ValueError`` is raised
+        when one would have to be issued. An expired CA, or one with fewer than 30 days
+        left when a certificate must be issued, raises ``ValueError`` naming the date.
     runtime_certs:
         Also issue one Runtime API certificate per SuperNode (``runtime/site-k.pem``).
     valid_days:
@@ -410,23 +465,75 @@ def ensure_pki(
     srv_cert_p, srv_key_p = out / "server.pem", out / "server.key"
 
     # --- CA
-    new_ca = force or not (ca_cert_p.exists() and ca_key_p.exists())
+    # ca.crt without ca.key: the operator moved the CA key offline (good practice). Never
+    # create a new CA over it (that would break every distributed ca.crt): reuse what exists
+    # and fail below if something must be issued.
+    if not force and ca_key_p.exists() and not ca_cert_p.exists():
+        raise ValueError(
+            f"{ca_key_p} exists but {ca_cert_p} does not: restore ca.crt (or remove ca.key, or "
+            "use --force to create a new CA and re-distribute ca.crt)"
+        )
+    new_ca = force or not ca_cert_p.exists()
+    ca_key: ec.EllipticCurvePrivateKey | None
     if not new_ca:
-        ca_key = _load_private_pem(ca_key_p)
         ca_cert = x509.load_pem_x509_certificate(ca_cert_p.read_bytes())
-        if ca_cert.public_key().public_numbers() != ca_key.public_key().public_numbers():
-            raise ValueError(f"{ca_cert_p} does not match {ca_key_p}; use --force to regenerate")
-        _ensure_private_mode(ca_key_p)
-        say(f"reuse CA {ca_cert_p}")
+        if ca_key_p.exists():
+            ca_key = _load_private_pem(ca_key_p)
+            if ca_cert.public_key().public_numbers() != ca_key.public_key().public_numbers():
+                raise ValueError(f"{ca_cert_p} does not match {ca_key_p}; use --force to regenerate")
+            _ensure_private_mode(ca_key_p)
+            say(f"reuse CA {ca_cert_p}")
+        else:
+            ca_key = None
+            say(f"reuse CA {ca_cert_p} (no ca.key here: only existing certificates can be used)")
+        ca_expiry = ca_cert.not_valid_after_utc
+        if ca_expiry <= _now():
+            raise ValueError(
+                f"CA certificate {ca_cert_p} expired on {ca_expiry:%Y-%m-%d %H:%M} UTC: nothing it "
+                "signed verifies any more; create a new CA with --force and re-distribute ca.crt"
+            )
     else:
         ca_key, ca_cert = _make_ca(ca_common_name, valid_days=max(valid_days, 30))
+        ca_expiry = ca_cert.not_valid_after_utc
+
+    # --- which certificates must be (re-)issued: decided before anything is written
+    renew = force or new_ca
+    rt_dir = out / "runtime"
+    leaves: list[tuple[Path, Path, list[str], list[str]]] = [(srv_cert_p, srv_key_p, dns, ips)]
+    if runtime_certs and num_supernodes:
+        for k in range(num_supernodes):
+            name = node_key_name(k)
+            rt_dns, rt_ips = split_sans([f"supernode-{k}", "localhost", *DEFAULT_SAN_IPS])
+            leaves.append((rt_dir / f"{name}.pem", rt_dir / f"{name}.key", rt_dns, rt_ips))
+    if not renew:
+        todo = [(c, why) for c, k, d, i in leaves if (why := _leaf_problem(c, k, ca_cert, d, i))]
+        if todo:
+            what = "; ".join(f"{c} ({why})" for c, why in todo)
+            if ca_key is None:
+                raise ValueError(
+                    f"must issue {what}, but the CA private key {ca_key_p} is missing (only "
+                    f"{ca_cert_p} is there): restore ca.key from where it is kept offline, or "
+                    "provide the needed certificates, issued by this CA, in this directory"
+                )
+            if ca_expiry - _now() < _dt.timedelta(days=_CA_MIN_REMAINING_DAYS):
+                raise ValueError(
+                    f"must issue {what}, but the CA certificate {ca_cert_p} expires on "
+                    f"{ca_expiry:%Y-%m-%d %H:%M} UTC (less than {_CA_MIN_REMAINING_DAYS} days left), "
+                    "so the certificate would soon be useless: create a new CA with --force and "
+                    "re-distribute ca.crt"
+                )
+        elif ca_expiry - _now() < _dt.timedelta(days=_CA_MIN_REMAINING_DAYS):
+            say(f"WARNING: CA certificate {ca_cert_p} expires on {ca_expiry:%Y-%m-%d} UTC")
+
+    if new_ca:
+        assert ca_key is not None
         _write_private_pem(ca_key_p, ca_key)
         _write_atomic(ca_cert_p, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
         say(f"new CA {ca_cert_p}")
 
     # --- SuperLink certificate (Fleet, Control and Runtime APIs)
     _ensure_leaf(srv_cert_p, srv_key_p, ca_key, ca_cert, dns, ips,
-                 renew=force or new_ca, valid_days=valid_days, say=say)  # fmt: skip
+                 renew=renew, valid_days=valid_days, say=say)  # fmt: skip
 
     # --- SuperNode key pairs
     pairs: list[NodeKeyPair] = []
@@ -449,15 +556,11 @@ def ensure_pki(
     # --- per-SuperNode Runtime API certificates (SuperExec -> SuperNode, Docker layout)
     runtime: list[RuntimeCert] = []
     if runtime_certs and num_supernodes:
-        rt_dir = out / "runtime"
         rt_dir.mkdir(mode=0o700, exist_ok=True)
-        for k in range(num_supernodes):
-            name = node_key_name(k)
-            cert_p, key_p = rt_dir / f"{name}.pem", rt_dir / f"{name}.key"
-            rt_dns, rt_ips = split_sans([f"supernode-{k}", "localhost", *DEFAULT_SAN_IPS])
+        for k, (cert_p, key_p, rt_dns, rt_ips) in enumerate(leaves[1:]):
             _ensure_leaf(cert_p, key_p, ca_key, ca_cert, rt_dns, rt_ips,
-                         renew=force or new_ca, valid_days=valid_days, say=say)  # fmt: skip
-            runtime.append(RuntimeCert(name=name, cert=cert_p, key=key_p))
+                         renew=renew, valid_days=valid_days, say=say)  # fmt: skip
+            runtime.append(RuntimeCert(name=node_key_name(k), cert=cert_p, key=key_p))
 
     return PkiFiles(
         out_dir=out,

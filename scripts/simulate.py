@@ -3,15 +3,23 @@
 Usage:
     python scripts/simulate.py --supernodes 3 [-c key=value ...] [--out runs/sim]
 
-It creates a private FLWR_HOME (so nothing touches ~/.flwr), writes a ``:local:`` connection on private
-ports, runs ``flwr run . <conn> --stream --run-config <file>``, checks the run's final status with
+It creates a private FLWR_HOME under --out (so nothing touches ~/.flwr), writes a ``:local:`` connection on
+private ports, runs ``flwr run . <conn> --stream --run-config <file>``, checks the run's final status with
 ``flwr ls`` (``flwr run`` exits 0 even when the ServerApp failed) and stops the managed SuperLink it started
 (Flower leaves it running detached).  Importable: :func:`run_simulation` is what the tests use.
+
+The status reported is always that of the run THIS invocation started (its id comes from the ``flwr run``
+output); the SuperLink database in --out keeps earlier runs, which are never reported.  If the SuperLink
+refused to start a run (e.g. an unknown run-config key), the script prints the server's message and exits 1.
+
+One simulation at a time per --out directory: a second one on the same --out is refused while the first
+runs (they would share FLWR_HOME, and the first to finish would stop the other's SuperLink).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -113,7 +121,10 @@ def stop_local_superlink(port: int, home: Path | None = None, timeout: float = 2
             time.sleep(0.2)
         for p in family:
             if _alive(p):
-                os.kill(p, signal.SIGKILL)
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:  # exited between the check and the kill
+                    pass
 
 
 def _alive(pid: int) -> bool:
@@ -125,16 +136,45 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_RUN_ID_PATTERNS = (re.compile(r"Successfully started run (\d+)"),
+                    re.compile(r"Starting logstream for run_id `(\d+)`"))
+
+
+def started_run_id(log_text: str) -> str | None:
+    """The id of the run this ``flwr run`` started, from its output (``None``: it started none)."""
+    text = _ANSI.sub("", log_text)
+    ids = [m for pat in _RUN_ID_PATTERNS for m in pat.findall(text)]
+    return ids[-1] if ids else None
+
+
 def pick_run(runs: list[dict], log_text: str) -> dict:
-    """This invocation's entry of ``flwr ls``: the run whose log stream the log shows.
+    """This invocation's entry of ``flwr ls``: the run whose id the ``flwr run`` log shows, else ``{}``.
 
     FLWR_HOME (and its SuperLink database) persists between invocations, so ``flwr ls`` also lists earlier
-    runs, in no guaranteed order.  Without a run id in the log, the only run listed (or ``{}``).
+    runs, in no guaranteed order.  A run whose id this invocation's log does not show is never picked (not
+    even the only one listed: when the server refused to start a run, that is an earlier run).
     """
-    started = re.findall(r"Starting logstream for run_id `(\d+)`", log_text)
-    if started:
-        return next((r for r in runs if str(r.get("run-id")) == started[-1]), {})
-    return runs[0] if len(runs) == 1 else {}
+    started = started_run_id(log_text)
+    if started is None:
+        return {}
+    return next((r for r in runs if str(r.get("run-id")) == started), {})
+
+
+def server_message(log_text: str, max_lines: int = 12) -> str:
+    """The error ``flwr run`` printed (Flower's boxed "Error" panel, else lines mentioning an error),
+    e.g. ``[code: 15] Invalid run configuration.``; the log's last lines when there is none."""
+    lines = [ln.rstrip() for ln in _ANSI.sub("", log_text).splitlines()]
+    for i, ln in enumerate(lines):
+        if ln.lstrip().startswith("╭") and "Error" in ln:
+            body = []
+            for inner in lines[i + 1:]:
+                if inner.lstrip().startswith("╰"):
+                    break
+                body.append(inner.strip().strip("│").strip())
+            return " ".join(b for b in body if b)
+    hits = [ln.strip() for ln in lines if re.search(r"error|\[code: \d+\]|failed", ln, re.IGNORECASE)]
+    return "\n".join((hits or [ln for ln in lines if ln.strip()])[-max_lines:])
 
 
 def run_simulation(
@@ -149,6 +189,30 @@ def run_simulation(
     workdir = Path(workdir).resolve()
     home = workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
+    # one simulation per FLWR_HOME: a second one would share it, and the first to finish would stop the
+    # other's SuperLink (stop_local_superlink ends every process of that FLWR_HOME). The lock dies with us.
+    lock = open(home / ".simulate.lock", "a+")  # noqa: SIM115 - held until the end of the function
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        other = (home / ".simulate.lock").read_text().strip() or "?"
+        raise RuntimeError(
+            f"another simulation (pid {other}) is running with FLWR_HOME={home}; use a different --out/workdir"
+        ) from None
+    try:
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        return _run_simulation_locked(run_config, num_supernodes, workdir, home, num_cpus_per_client, timeout,
+                                      stream_to)
+    finally:
+        lock.close()
+
+
+def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path, home: Path,
+                           num_cpus_per_client: float, timeout: float, stream_to: Path | None) -> dict:
     http_port, control_port = free_port(), free_port()
     (home / "config.toml").write_text(
         '[superlink]\ndefault = "pgvi-sim"\n[superlink.pgvi-sim]\naddress = ":local:"\n'
@@ -178,11 +242,39 @@ def run_simulation(
         stop_local_superlink(http_port, home)
     seconds = time.time() - t0
     runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
-    run = pick_run(runs, Path(log_path).read_text(errors="replace"))
-    run_id = str(run.get("run-id", ""))
-    out_dir = out_root / f"run-{run_id}" if run_id else None
+    log_text = Path(log_path).read_text(errors="replace")
+    run_id = started_run_id(log_text)
+    if run_id is None:  # the server refused the run (or flwr failed before starting one): never an older run
+        return {"status": "not-started", "status-details": server_message(log_text), "run_id": "",
+                "out_dir": None, "log": log_path, "seconds": seconds}
+    run = pick_run(runs, log_text)  # {} if `flwr ls` did not list it: status unknown
     return {"status": run.get("status", "unknown"), "status-details": run.get("status-details", ""), "run_id": run_id,
-            "out_dir": out_dir, "log": log_path, "seconds": seconds}
+            "out_dir": out_root / f"run-{run_id}", "log": log_path, "seconds": seconds}
+
+
+_PAIR = re.compile(r"""([^\s=]+)=('[^']*'|"[^"]*"|\S+)""")
+
+
+def parse_overrides(item: str) -> dict:
+    """One ``-c`` argument: space-separated ``key=value`` pairs with TOML values, as ``flwr run -c`` takes
+    them (``'a=1 b=2 note="x y"'``).  ``ValueError`` names the bad override."""
+    out: dict = {}
+    pos = 0
+    for m in _PAIR.finditer(item):
+        if item[pos:m.start()].strip():
+            break
+        key, raw = m.group(1), m.group(2)
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ValueError(
+                f"-c {item!r}: {key}={raw} is not a TOML value (strings need quotes, e.g. {key}='\"{raw}\"')"
+            ) from None
+        pos = m.end()
+    if not out or item[pos:].strip():
+        raise ValueError(f"-c {item!r}: expected space-separated key=value pairs, e.g. -c 'num-server-rounds=2 "
+                         "schedule=\"sequential\"'")
+    return out
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -193,20 +285,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--supernodes", type=int, default=3)
     ap.add_argument("--cpus-per-client", type=float, default=1.0)
-    ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim")
+    ap.add_argument("-c", "--config", action="append", default=[],
+                    help="run-config overrides: space-separated key=value pairs, TOML values (strings quoted)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim",
+                    help="output dir; holds FLWR_HOME, so one simulation at a time per --out")
     args = ap.parse_args()
     # a SIGTERM must still run run_simulation's cleanup (Flower leaves its SuperLink running detached)
     signal.signal(signal.SIGTERM, _interrupt)
     with open(ROOT / "pyproject.toml", "rb") as f:
         run_config = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
-    for kv in args.config:
-        k, _, v = kv.partition("=")
-        run_config[k.strip()] = tomllib.loads(f"v = {v}")["v"]
+    for item in args.config:
+        try:
+            run_config.update(parse_overrides(item))
+        except ValueError as err:
+            ap.error(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "flwr-run.log"
     print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)
-    res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path)
+    try:
+        res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path)
+    except RuntimeError as err:
+        print(f"simulate.py: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    if not res["run_id"]:
+        print(f"simulate.py: no run was started: {res['status-details']} (log {log_path})", file=sys.stderr)
+        sys.exit(1)
     for line in log_path.read_text().splitlines():
         if "PGVI" in line or "rror" in line:
             print(line, flush=True)

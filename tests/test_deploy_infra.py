@@ -7,6 +7,8 @@ left and that every port is free again.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -328,3 +330,388 @@ def test_in_memory_superlink_state_runs_the_app_with_auth(make_deployment):
 def test_superlink_state_guard(tmp_path):
     with pytest.raises(ValueError, match="superlink_state"):
         Deployment(2, run_dir=tmp_path, superlink_state="postgres")
+
+
+# ----------------------------------------------------------------------------- review fixes (deploy.py)
+
+
+def test_free_ports_stay_below_the_ephemeral_range(tmp_path):
+    low, _high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = find_free_ports(40)
+    assert all(20000 <= p < low for p in ports), sorted(ports)
+
+    from scripts.deploy import ephemeral_port_range
+
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert ephemeral_port_range(f) == (40000, 50000)
+    assert ephemeral_port_range(tmp_path / "missing") == (32768, 60999)
+    f.write_text("garbage")
+    assert ephemeral_port_range(f) == (32768, 60999)
+
+
+def _fake_flwr(tmp_path: Path, body: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    flwr = bin_dir / "flwr"
+    flwr.write_text("#!/bin/sh\n" + body)
+    flwr.chmod(0o755)
+    return bin_dir
+
+
+def test_run_counter_survives_reattach(tmp_path):
+    """`deploy.py run` twice on one deployment: the second run gets its own log and run config."""
+    bin_dir = _fake_flwr(tmp_path, 'echo "fake flwr $*"\nexit 1\n')
+    run_dir = tmp_path / "dep"
+    dep = Deployment(1, run_dir=run_dir, insecure=True, bin_dir=bin_dir, **free_port_kwargs(1))
+    run_dir.mkdir()
+    dep._save_state()  # the deployment.json `up` leaves behind
+    first = dep.run_app({"num-server-rounds": 1})
+    assert first.status == "not-started" and first.log_path == run_dir / "logs" / "flwr-run-1.log"
+    again = Deployment.attach(run_dir)  # what the next `deploy.py run` does
+    second = again.run_app({"num-server-rounds": 2})
+    assert second.log_path == run_dir / "logs" / "flwr-run-2.log"
+    assert (run_dir / "run-config-1.toml").read_text() == '"num-server-rounds" = 1\n'
+    assert (run_dir / "run-config-2.toml").read_text() == '"num-server-rounds" = 2\n'
+    assert "run-config-1.toml" in first.log_path.read_text()
+    assert Deployment.attach(run_dir)._run_counter == 2
+    # a new `up` on the same run dir starts its own counter at 0, but never overwrites an earlier run
+    fresh = Deployment(1, run_dir=run_dir, insecure=True, bin_dir=bin_dir, **free_port_kwargs(1))
+    assert fresh.run_app({"num-server-rounds": 3}).log_path == run_dir / "logs" / "flwr-run-3.log"
+    assert (run_dir / "run-config-1.toml").read_text() == '"num-server-rounds" = 1\n'
+
+
+def _pid_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_run_app_interrupted_stops_the_flwr_cli(tmp_path):
+    pidfile = tmp_path / "flwr.pid"
+    bin_dir = _fake_flwr(tmp_path, 'echo $$ > "$PIDFILE"\nexec sleep 60\n')
+    dep = Deployment(1, run_dir=tmp_path / "dep", insecure=True, bin_dir=bin_dir, env={"PIDFILE": str(pidfile)},
+                     **free_port_kwargs(1))  # fmt: skip
+
+    def interrupt(_sig, _frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dep.run_app({"num-server-rounds": 1})
+        pid = int(pidfile.read_text())
+        assert _pid_gone(pid), "flwr run CLI still running after the interrupt"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+class _Unhandled(Exception):
+    pass
+
+
+def test_up_down_after_tears_down_on_sigterm_during_run(tmp_path, monkeypatch):
+    """Unit-level wiring: SIGTERM while `up --run --down-after` waits for the run -> stop() runs, rc 130,
+    and the caller's SIGTERM handler is back afterwards."""
+    from scripts import deploy
+
+    calls: list[str] = []
+    monkeypatch.setattr(deploy.Deployment, "start", lambda self, timeout=90.0: calls.append("start"))
+    monkeypatch.setattr(deploy.Deployment, "wait_online", lambda self, timeout=90.0, nodes=None: [])
+
+    def run_app(self, *a, **kw):
+        calls.append("run")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        calls.append("run finished")  # never reached
+
+    monkeypatch.setattr(deploy.Deployment, "run_app", run_app)
+    monkeypatch.setattr(deploy.Deployment, "stop", lambda self, grace=10.0: calls.append("stop") or [])
+
+    def not_main(_sig, _frame):  # what SIGTERM does if deploy.main installs no handler of its own
+        raise _Unhandled
+
+    old = signal.signal(signal.SIGTERM, not_main)
+    try:
+        rc = deploy.main(["up", "--run-dir", str(tmp_path), "--insecure", "--run", "--down-after"])
+        assert signal.getsignal(signal.SIGTERM) is not_main
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert rc == 130 and calls == ["start", "run", "stop"]
+
+    # KeyboardInterrupt (Ctrl-C) during the run: same teardown
+    calls.clear()
+
+    def ctrl_c(self, *a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deploy.Deployment, "run_app", ctrl_c)
+    assert deploy.main(["up", "--run-dir", str(tmp_path), "--insecure", "--run", "--down-after"]) == 130
+    assert calls == ["start", "stop"]
+    # without --down-after/--foreground an interrupted `up --run` leaves the deployment up (by design)
+    calls.clear()
+    assert deploy.main(["up", "--run-dir", str(tmp_path), "--insecure", "--run"]) == 130
+    assert calls == ["start"]
+
+
+def test_up_foreground_stops_everything_on_sigterm(tmp_path):
+    """A real `deploy.py up --foreground` (insecure, 1 node) in a subprocess, then SIGTERM."""
+    from scripts.deploy import _pids_with_marker
+
+    run_dir = tmp_path / "dep"
+    kw = free_port_kwargs(1)
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "deploy.py"), "up",
+           "--run-dir", str(run_dir), "--nodes", "1", "--insecure", "--foreground",
+           "--fleet-port", str(kw["fleet_port"]), "--control-port", str(kw["control_port"]),
+           "--node-port-base", str(kw["node_ports"][0])]  # fmt: skip
+    out = open(tmp_path / "up.out", "w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while "running; Ctrl-C" not in (tmp_path / "up.out").read_text():
+            assert proc.poll() is None, (tmp_path / "up.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.out").read_text()
+            time.sleep(0.5)
+        token = json.loads((run_dir / "deployment.json").read_text())["token"]
+        assert _pids_with_marker(token)  # SuperLink, SuperNode, ... are up
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)
+        text = (tmp_path / "up.out").read_text()
+        assert rc == 0, text
+        assert "stopping all processes" in text
+        assert _pids_with_marker(token) == [], text
+        ports = [kw["fleet_port"], kw["control_port"], *kw["node_ports"]]
+        deadline = time.monotonic() + 10
+        while not all(port_is_free(p) for p in ports) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(port_is_free(p) for p in ports)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if (run_dir / "deployment.json").exists():
+            Deployment.attach(run_dir).stop()  # whatever the test left behind
+        out.close()
+
+
+def test_non_loopback_host_is_in_the_server_certificate(tmp_path):
+    run_dir = tmp_path / "dep"
+    dep = Deployment(1, run_dir=run_dir, host="10.1.2.3")
+    dep._prepare_pki()
+    assert pki.cert_covers_host(dep.pki.server_cert, "10.1.2.3")
+    assert pki.cert_covers_host(dep.pki.server_cert, "127.0.0.1")
+    ca = (run_dir / "certs" / "ca.crt").read_bytes()
+    # an existing certs dir without that SAN: the server certificate is re-issued by the same CA
+    dep2 = Deployment(1, run_dir=run_dir, host="192.0.2.7")
+    dep2._prepare_pki()
+    assert pki.cert_covers_host(dep2.pki.server_cert, "192.0.2.7")
+    assert (run_dir / "certs" / "ca.crt").read_bytes() == ca
+    # ... and with the CA key offline, a clear error instead of a new CA
+    (run_dir / "certs" / "ca.key").rename(tmp_path / "ca.key.offline")
+    with pytest.raises(DeploymentError, match=r"198\.51\.100\.1.*ca\.key"):
+        Deployment(1, run_dir=run_dir, host="198.51.100.1")._prepare_pki()
+    assert (run_dir / "certs" / "ca.crt").read_bytes() == ca
+    # --certs given: checked, never modified
+    with pytest.raises(DeploymentError, match=r"does not list 203\.0\.113\.9.*--san 203\.0\.113\.9"):
+        Deployment(1, run_dir=tmp_path / "d3", certs_dir=run_dir / "certs", host="203.0.113.9")._prepare_pki()
+    Deployment(1, run_dir=tmp_path / "d4", certs_dir=run_dir / "certs", host="192.0.2.7")._prepare_pki()
+
+    for host, want in (("10.1.2.3", ["10.1.2.3"]), ("edge.example.org", ["edge.example.org"]),
+                       ("0.0.0.0", []), ("127.0.0.1", []), ("::1", []), ("localhost", [])):  # fmt: skip
+        assert Deployment(1, run_dir=tmp_path, host=host).host_sans() == want, host
+
+
+def _load_key(path: Path):
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.load_pem_private_key(path.read_bytes(), password=None)
+
+
+def _load_cert(path: Path):
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def test_superlink_readiness_reports_the_tls_error(tmp_path):
+    """A SuperLink whose certificate lacks the address clients use: the TLS error is in the message."""
+    import socket
+    import ssl
+    import threading
+
+    from scripts.deploy import ProcInfo
+
+    files = pki.ensure_pki(tmp_path / "certs")
+    ca_key = _load_key(files.ca_key)
+    ca_cert = _load_cert(files.ca_cert)
+    bad_cert, bad_key = tmp_path / "bad.pem", tmp_path / "bad.key"
+    pki._ensure_leaf(bad_cert, bad_key, ca_key, ca_cert, ["only.example.org"], [], renew=True, valid_days=5,
+                     say=lambda _m: None)  # fmt: skip
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(bad_cert, bad_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with contextlib.suppress(OSError, ssl.SSLError):
+                ctx.wrap_socket(conn, server_side=True).close()
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    class _Running:
+        pid = 0
+
+        def poll(self):
+            return None
+
+    dep = Deployment(1, run_dir=tmp_path / "dep", control_port=port, fleet_port=find_free_ports(1)[0],
+                     node_ports=[find_free_ports(1)[0]])  # fmt: skip
+    dep.pki = files
+    link = ProcInfo("superlink", None, 0, [], str(tmp_path / "none.log"), time.time(), _Running())
+    try:
+        with pytest.raises(DeploymentError, match=r"TLS handshake .* failed: .*CERTIFICATE_VERIFY_FAILED.*127\.0\.0\.1"):
+            dep._wait_superlink_ready(link, timeout=3)
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        listener.close()
+
+
+@pytest.mark.parametrize("command", ["down", "run", "status"])
+def test_commands_without_a_deployment_give_a_clear_error(tmp_path, capsys, command):
+    from scripts.deploy import main
+
+    assert main([command, "--run-dir", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert "no deployment state" in err and "deploy.py up" in err
+
+
+# ----------------------------------------------------------------------------- review fixes (simulate.py)
+
+
+def test_pick_run_never_takes_a_run_this_invocation_did_not_start():
+    from scripts.simulate import pick_run
+
+    earlier = {"run-id": "570153098676490552", "status": "finished:completed"}
+    mine = {"run-id": "3831847892416236757", "status": "finished:failed"}
+    assert pick_run([earlier], "Error: [code: 15] Invalid run configuration.") == {}
+    assert pick_run([earlier, mine], "no run id") == {}
+    assert pick_run([earlier, mine], "\x1b[32mSuccessfully started run 3831847892416236757\x1b[0m\n") == mine
+    assert pick_run([earlier, mine], "Starting logstream for run_id `3831847892416236757`") == mine
+
+
+_REFUSED_LOG = """Using SuperLink: pgvi-sim (:local:)
+Starting local SuperLink on 127.0.0.1:39091...
+\u256d\u2500 Error \u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u256e
+\u2502 [code: 15] Invalid run configuration.  \u2502
+\u2570\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u256f
+"""
+
+
+@pytest.fixture
+def fake_sim(monkeypatch):
+    """scripts.simulate with `flwr` faked: `flwr run` prints ``log``; `flwr ls` lists an EARLIER completed run
+    (the persistent local-superlink/state.db); nothing is started or stopped."""
+    from scripts import simulate
+
+    state = {"log": _REFUSED_LOG, "rc": 1, "cmds": []}
+    earlier = {"run-id": "570153098676490552", "status": "finished:completed", "status-details": ""}
+
+    def fake_run(cmd, **kw):
+        state["cmds"].append(cmd)
+        if cmd[1] == "run":
+            kw["stdout"].write(state["log"])
+            return subprocess.CompletedProcess(cmd, state["rc"])
+        if cmd[1] == "ls":
+            return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps({"success": True, "runs": [earlier]}), stderr="")
+        raise AssertionError(cmd)
+
+    monkeypatch.setattr(simulate.subprocess, "run", fake_run)
+    monkeypatch.setattr(simulate, "stop_local_superlink", lambda port, home=None, timeout=20.0: state.setdefault("stopped", port))
+    return simulate, state
+
+
+def test_refused_run_is_not_reported_as_an_earlier_run(fake_sim, tmp_path, monkeypatch, capsys):
+    simulate, state = fake_sim
+    res = simulate.run_simulation({"bogus": 1}, 2, tmp_path / "sim")
+    assert res["run_id"] == "" and res["status"] == "not-started" and res["out_dir"] is None
+    assert "[code: 15] Invalid run configuration." in res["status-details"]
+    assert "stopped" in state  # the managed SuperLink is still stopped
+    # the CLI: exit 1 with the server's message
+    monkeypatch.setattr(sys, "argv", ["simulate.py", "--supernodes", "2", "--out", str(tmp_path / "sim")])
+    with pytest.raises(SystemExit) as exc:
+        simulate.main()
+    assert exc.value.code == 1
+    assert "no run was started: [code: 15] Invalid run configuration." in capsys.readouterr().err
+    # a run that did start is reported with its own id, even if `flwr ls` does not list it
+    state["log"], state["rc"] = "Successfully started run 42\nStarting logstream for run_id `42`\n", 0
+    res = simulate.run_simulation({}, 2, tmp_path / "sim")
+    assert res["run_id"] == "42" and res["status"] == "unknown"
+
+
+def test_second_simulation_on_the_same_out_dir_is_refused(fake_sim, tmp_path):
+    import fcntl
+
+    simulate, state = fake_sim
+    home = tmp_path / "sim" / "flwr-home"
+    home.mkdir(parents=True)
+    with open(home / ".simulate.lock", "a+") as held:  # another simulation holds the FLWR_HOME
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("12345\n")
+        held.flush()
+        with pytest.raises(RuntimeError, match="another simulation .*12345"):
+            simulate.run_simulation({}, 2, tmp_path / "sim")
+    assert state["cmds"] == [] and "stopped" not in state  # nothing run, nobody's SuperLink stopped
+    simulate.run_simulation({}, 2, tmp_path / "sim")  # lock released: runs
+    assert state["cmds"]
+
+
+def test_stop_local_superlink_tolerates_a_process_exiting_meanwhile(monkeypatch):
+    from scripts import simulate
+
+    monkeypatch.setattr(simulate, "_pids_listening", lambda port: [999_999_999])
+    monkeypatch.setattr(simulate, "_children", lambda pid: [])
+    monkeypatch.setattr(simulate, "_alive", lambda pid: True)  # looks alive until the very kill
+
+    def kill(pid, sig):
+        raise ProcessLookupError(pid)
+
+    monkeypatch.setattr(simulate.os, "kill", kill)
+    simulate.stop_local_superlink(1, None, timeout=0.0)
+
+
+def test_simulate_overrides_parse_or_fail_clearly():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "simulate.py"
+    for bad, needle in (("note=bare", "note=bare"), ("bare", "'bare'"), ("a=1 junk", "'a=1 junk'")):
+        # argument errors come before anything is started
+        res = subprocess.run([sys.executable, str(script), "--out", "/nonexistent/never", "-c", bad],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+    from scripts.simulate import parse_overrides
+
+    # several pairs in one -c, as `flwr run -c` takes them
+    assert parse_overrides('a=1 b=2') == {"a": 1, "b": 2}
+    assert parse_overrides('note="x y" model.kind="bnn" evaluate=false') == {
+        "note": "x y", "model.kind": "bnn", "evaluate": False}

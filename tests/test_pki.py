@@ -169,6 +169,110 @@ def test_corrupt_node_key_is_refused_not_overwritten(tmp_path):
         pki.ensure_pki(out, 1)
 
 
+def _snapshot(out: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_offline_ca_key_reuses_valid_certs_and_never_replaces_the_ca(tmp_path):
+    """ca.crt present, ca.key moved offline: reuse everything that is valid; never a new CA."""
+    out = tmp_path / "certs"
+    pki.ensure_pki(out, 2, ["edge.example.org"])
+    offline = tmp_path / "vault-ca.key"
+    (out / "ca.key").rename(offline)
+    snap = _snapshot(out)
+
+    again = pki.ensure_pki(out, 2, ["edge.example.org"])  # all leaves valid: nothing to do
+    assert _snapshot(out) == snap and not (out / "ca.key").exists()
+    assert again.ca_cert == out / "ca.crt"
+    # node SSH keys need no CA: a third node's key pair is fine without runtime certificates
+    grown = pki.ensure_pki(out, 3, ["edge.example.org"], runtime_certs=False)
+    assert grown.node_keys[2].private_key.exists()
+    assert (out / "ca.crt").read_bytes() == snap[out / "ca.crt"]
+
+    # something must be issued (a new SAN; a new node's runtime certificate): clear error, no write
+    snap = _snapshot(out)
+    with pytest.raises(ValueError, match=r"server\.pem \(SAN lacks new\.example\.org\).*ca\.key is missing"):
+        pki.ensure_pki(out, 3, ["new.example.org"])
+    with pytest.raises(ValueError, match=r"runtime/site-2\.pem \(missing\).*restore ca\.key"):
+        pki.ensure_pki(out, 3, ["edge.example.org"])
+    assert _snapshot(out) == snap
+
+    # the key restored: the missing certificates are issued by the SAME CA
+    offline.rename(out / "ca.key")
+    files = pki.ensure_pki(out, 3, ["new.example.org"])
+    assert files.ca_cert.read_bytes() == snap[out / "ca.crt"]
+    ca = _load_cert(files.ca_cert)
+    _load_cert(files.server_cert).verify_directly_issued_by(ca)
+    _load_cert(files.runtime_certs[2].cert).verify_directly_issued_by(ca)
+
+    # CLI: exit 2 with the message, ca.crt untouched
+    (out / "ca.key").unlink()
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "pki.py"), "--out", str(out), "--san", "x.example"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "ca.key" in res.stderr and "Traceback" not in res.stderr
+    assert files.ca_cert.read_bytes() == snap[out / "ca.crt"]
+
+
+def test_lone_ca_key_is_not_overwritten(tmp_path):
+    out = tmp_path / "certs"
+    pki.ensure_pki(out)
+    (out / "ca.crt").unlink()
+    key = (out / "ca.key").read_bytes()
+    with pytest.raises(ValueError, match="restore ca.crt"):
+        pki.ensure_pki(out)
+    assert (out / "ca.key").read_bytes() == key
+
+
+def _write_ca(out: Path, not_before, not_after) -> None:
+    """A CA (cert + key) with the given validity window, as an older pki.py run might have left."""
+    from cryptography.hazmat.primitives import hashes
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "old-ca")])
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before).not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA384())
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / "ca.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))  # fmt: skip
+
+
+def test_expired_or_expiring_ca_is_a_clear_error(tmp_path):
+    import datetime as dt
+
+    now = dt.datetime.now(dt.timezone.utc)
+    expired = tmp_path / "expired"
+    _write_ca(expired, now - dt.timedelta(days=400), now - dt.timedelta(days=3))
+    date = (now - dt.timedelta(days=3)).strftime("%Y-%m-%d")
+    with pytest.raises(ValueError, match=f"expired on {date}.*--force"):
+        pki.ensure_pki(expired, 1)
+    # --force makes a new CA
+    fresh = pki.ensure_pki(expired, 1, force=True)
+    assert _load_cert(fresh.ca_cert).not_valid_after_utc > now + dt.timedelta(days=300)
+
+    soon = tmp_path / "soon"
+    _write_ca(soon, now - dt.timedelta(days=300), now + dt.timedelta(days=10))
+    ca_bytes = (soon / "ca.crt").read_bytes()
+    date = (now + dt.timedelta(days=10)).strftime("%Y-%m-%d")
+    with pytest.raises(ValueError, match=f"expires on {date}.*less than 30 days"):
+        pki.ensure_pki(soon, 1)
+    assert (soon / "ca.crt").read_bytes() == ca_bytes and not (soon / "server.pem").exists()
+
+
+def test_cert_covers_host(files):
+    assert pki.cert_covers_host(files.server_cert, "127.0.0.1")
+    assert pki.cert_covers_host(files.server_cert, "10.1.2.3")
+    assert pki.cert_covers_host(files.server_cert, "PGVI.example.org")
+    assert not pki.cert_covers_host(files.server_cert, "10.1.2.4")
+    assert not pki.cert_covers_host(files.server_cert, "other.example.org")
+
+
 def test_guards():
     with pytest.raises(ValueError, match="num_supernodes"):
         pki.ensure_pki("/nonexistent/never", -1)

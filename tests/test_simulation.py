@@ -47,5 +47,5 @@ def test_pick_run_takes_this_invocations_run_not_an_earlier_one():
     assert pick_run([mine, earlier], log) == mine
     assert pick_run([earlier, mine], log) == mine
     assert pick_run([earlier], log) == {}  # our run is not listed: unknown, never somebody else's status
-    assert pick_run([earlier], "no run id") == earlier
+    assert pick_run([earlier], "no run id") == {}  # no run started here: never the earlier one
     assert pick_run([earlier, mine], "no run id") == {}
