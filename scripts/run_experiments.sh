@@ -72,4 +72,22 @@ wait
 $E fmnist-noise --noise 0.0 0.2 --seeds 0 --methods fedavg --suffix=-long -c num-server-rounds=25 \
     > runs/experiments/lane-lr3d.log 2>&1 &
 wait
+# completing the 25-round table: 10 % noise (seeds 0-2) and seeds 1-2 at 0 % and 20 %, same settings
+(
+  $E fmnist-noise --noise 0.1 --seeds 0 1 2 --methods fedgvi --suffix=-w50-lr3-long $LR3 -c loss-weight=50
+  $E fmnist-noise --noise 0.0 0.2 --seeds 1 2 --methods fedgvi --suffix=-w50-lr3-long $LR3 -c loss-weight=50
+  $E fmnist-noise --noise 0.0 0.1 0.2 --seeds 0 1 2 --methods fedavg --suffix=-long -c num-server-rounds=25
+) > runs/experiments/lane-lr3e.log 2>&1 &
+(
+  $E fmnist-noise --noise 0.1 --seeds 0 1 2 --methods pvi --suffix=-lr3-long $LR3
+  $E fmnist-noise --noise 0.0 0.2 --seeds 1 2 --methods pvi --suffix=-lr3-long $LR3
+) > runs/experiments/lane-lr3f.log 2>&1 &
+wait
+# seeds 3 and 4 at 40 % noise (the paper reports 5 seeds): FedGVI w = 50 and PVI, same settings
+(
+  $E fmnist-noise --noise 0.4 --seeds 3 4 --methods fedgvi --suffix=-w50-lr3-long $LR3 -c loss-weight=50
+  $E fmnist-noise --noise 0.4 --seeds 3 4 --methods fedavg --suffix=-long -c num-server-rounds=25
+) > runs/experiments/lane-lr3g.log 2>&1 &
+$E fmnist-noise --noise 0.4 --seeds 3 4 --methods pvi --suffix=-lr3-long $LR3 > runs/experiments/lane-lr3h.log 2>&1 &
+wait
 $E report
