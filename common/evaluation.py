@@ -25,10 +25,10 @@ def evaluate_posterior(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if problem.model.is_classifier:
-            from common.metrics import classification_metrics
+            from common.metrics import classification_metrics_from_log_probs
 
             log_probs = problem.model.predictive_log_probs(q, xt, n_samples, generator=gen).numpy()
-            out = classification_metrics(np.exp(log_probs), np.asarray(y), log_probs=log_probs)  # exact NLL
+            out = classification_metrics_from_log_probs(log_probs, np.asarray(y))  # exact NLL
         else:
             theta = q.rsample(n_samples, generator=gen)
             pred = problem.model.output(theta, xt)

@@ -28,6 +28,7 @@ __all__ = [
     "binary_probs",
     "brier_score",
     "classification_metrics",
+    "classification_metrics_from_log_probs",
     "expected_calibration_error",
     "negative_log_likelihood",
     "negative_log_likelihood_from_log_probs",
@@ -165,3 +166,12 @@ def classification_metrics(
         "brier": brier_score(p, labels),
         "num_points": int(p.shape[0]),
     }
+
+
+def classification_metrics_from_log_probs(
+    log_probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS
+) -> dict[str, float | int]:
+    """:func:`classification_metrics` of a predictive given by its log-probabilities ``(N, C)``: the NLL is
+    exact, the other metrics use ``exp(log_probs)``."""
+    lp = np.asarray(log_probs, dtype=np.float64)
+    return classification_metrics(np.exp(lp), y, num_bins, log_probs=lp)

@@ -99,8 +99,7 @@ class LikelihoodModel(ABC):
     ) -> Tensor:
         """Classifiers: the posterior predictive ``E_q[softmax(logits(theta, x))]``, shape ``(B, C)``,
         estimated with ``n_samples`` samples of ``theta ~ q`` (drawn in chunks to bound memory)."""
-        log_p = self.predictive_log_probs(q, x, n_samples, generator=generator)
-        return log_p.exp().to(self.dtype_of(q))
+        return self.predictive_log_probs(q, x, n_samples, generator=generator).exp().to(q.dtype)
 
     def predictive_log_probs(
         self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None
@@ -129,10 +128,6 @@ class LikelihoodModel(ABC):
                 done += s
         assert total is not None
         return total - math.log(n_samples)
-
-    @staticmethod
-    def dtype_of(q: GaussianFactor) -> torch.dtype:
-        return next(iter(q.params.values())).dtype
 
 
 MODELS: Registry[LikelihoodModel] = Registry("model")
@@ -462,8 +457,7 @@ class BayesianMLP(LikelihoodModel):
         """``E_q[softmax(f_theta(x))]``, shape ``(B, C)``, by the local reparameterisation (exact per point,
         see the class docstring), in chunks of points to bound memory (each point's first-layer moments are
         computed once, whatever ``n_samples``)."""
-        log_p = self.predictive_log_probs(q, x, n_samples, generator=generator)
-        return log_p.exp().to(self.dtype_of(q))
+        return self.predictive_log_probs(q, x, n_samples, generator=generator).exp().to(q.dtype)
 
     def predictive_log_probs(
         self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None

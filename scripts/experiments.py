@@ -427,15 +427,15 @@ def rescore(exp_dir: Path) -> None:
     """Recompute each finished run's final-round test metrics from its saved final model with the current
     evaluation code, into ``<run>/rescored.json`` (the report prefers it).  Made for the NLL fix of 2026-11-23:
     runs recorded before it floored the predictive probability at 1e-12 inside the NLL."""
-    from common.metrics import classification_metrics
+    from common.metrics import classification_metrics_from_log_probs
 
     for run_dir in sorted(p for p in exp_dir.glob("*") if (p / "summary.json").exists()):
         rows = [r for r in _rows(run_dir) if r.get("round", 0) >= 1 and "test-accuracy" in r]
         if not rows:
             continue
         method = json.loads((run_dir / "run_config.json").read_text()).get("method") or run_dir.name.split("-")[0]
-        probs, log_probs, y = _final_predictive(run_dir, method)
-        m = classification_metrics(probs, y, log_probs=log_probs)
+        _, log_probs, y = _final_predictive(run_dir, method)
+        m = classification_metrics_from_log_probs(log_probs, y)
         final = {f"test-{k}": float(v) for k, v in m.items() if k != "num_points"}
         rec = rows[-1]
         same_draws = abs(final["test-accuracy"] - rec["test-accuracy"]) < 1e-12

@@ -113,6 +113,6 @@ def _invariant_tolerance(st: PGVIServerState, ledger_versions: dict[str, int]) -
     """
     factors = [st.global_site, *st.sites.values()]
     scale = max(1.0, *(float(v.abs().max()) for f in factors for v in f.params.values() if v.numel()))
-    eps = torch.finfo(next(iter(st.global_site.params.values())).dtype).eps
+    eps = torch.finfo(st.global_site.dtype).eps
     n = sum(ledger_versions.values()) + len(st.sites)
     return max(1e-6, 4.0 * n * eps) * scale

@@ -22,7 +22,7 @@ from flwr.supercore import log
 
 from common.config import RunConfig
 from common.deterministic_mlp import DeterministicMLP, predict_log_probs
-from common.metrics import classification_metrics
+from common.metrics import classification_metrics_from_log_probs
 from common.problem import ArraysSplit
 from strategies.results import RoundRecorder
 
@@ -66,8 +66,7 @@ def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Pat
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.set_arrays({k: v.numpy() for k, v in arrays.to_torch_state_dict().items()})
-        log_probs = predict_log_probs(model, data.x_test)
-        m = classification_metrics(np.exp(log_probs), data.y_test, log_probs=log_probs)
+        m = classification_metrics_from_log_probs(predict_log_probs(model, data.x_test), data.y_test)
         row = {"round": float(server_round), "test-accuracy": m["accuracy"], "test-nll": m["nll"],
                "test-ece": m["ece"], "test-brier": m["brier"], "wall-seconds": time.time() - t0}
         if server_round > 0:

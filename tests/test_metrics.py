@@ -182,6 +182,9 @@ def test_nll_from_log_probs_is_exact_where_probabilities_underflow():
     assert negative_log_likelihood(p, y) == pytest.approx((-math.log(NLL_FLOOR) - np.log(0.8)) / 2, rel=1e-12)
     m = classification_metrics(p, y, log_probs=lp)
     assert m["nll"] == pytest.approx(exact, rel=1e-12)
+    from common.metrics import classification_metrics_from_log_probs
+
+    assert classification_metrics_from_log_probs(lp, y) == m
     assert m["accuracy"] == 0.5 and m["brier"] == classification_metrics(p, y)["brier"]
     with pytest.raises(ValueError, match="not the log of probs"):
         classification_metrics(p, y, log_probs=lp[::-1])
