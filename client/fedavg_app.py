@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
-import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -18,6 +17,7 @@ from common.config import RunConfig, parse_run_config
 from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_probs, sgd_epochs
 from common.metrics import classification_metrics
 from common.problem import ArraysSplit, client_shard
+from common.runtime import configure_compute
 
 app = ClientApp()
 
@@ -31,7 +31,7 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit,
     cfg = parse_run_config(dict(context.run_config))
     nc = context.node_config
     partition_id = int(nc.get("partition-id", 0))
-    torch.set_num_threads(int(nc.get("torch-threads", cfg.torch_threads or 1)))
+    configure_compute(int(nc.get("torch-threads", cfg.torch_threads or 1)))
     shard = _shard(cfg, partition_id)
     if shard.num_classes < 2:
         raise ValueError("the FedAvg baseline needs a classification dataset")

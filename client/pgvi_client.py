@@ -15,7 +15,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-import torch
 from flwr.client import NumPyClient
 
 from common import protocol as P
@@ -25,6 +24,7 @@ from common.config import RunConfig
 from common.errors import PGVIError
 from common.evaluation import evaluate_posterior
 from common.problem import ArraysSplit, Problem, build_problem, client_shard
+from common.runtime import configure_compute
 
 from client.node_request import InjectedFault, Request, Result, Scalar, node_run_config
 
@@ -116,7 +116,7 @@ def handle(req: Request) -> Result:
     is never saved; ``lose-reply`` is the caller's (the state is saved, then the reply is lost).
     """
     cfg, partition_id, client_id = node_run_config(req.run_config, req.node_config)
-    torch.set_num_threads(int(req.node_config.get("torch-threads", cfg.torch_threads or 1)))
+    configure_compute(int(req.node_config.get("torch-threads", cfg.torch_threads or 1)))
     problem, shard = _problem_and_shard(cfg, partition_id)
     client = PGVIClient(problem, shard, client_id, req.state)
     arrays = [req.posterior[k] for k in client.names]

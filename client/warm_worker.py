@@ -349,9 +349,9 @@ def main(argv: list[str] | None = None) -> None:
         check_socket_dir(args.socket)  # before the slow torch import
     except (SocketDirectoryError, OSError) as err:
         sys.exit(f"[warm-worker] {err}")
-    import torch
+    from common.runtime import configure_compute  # imports torch
 
-    torch.set_num_threads(args.torch_threads)
+    configure_compute(args.torch_threads)
     served = serve(args.socket, handshake_timeout=args.handshake_timeout_s)
     print(f"[warm-worker] stopped after {served} requests", file=sys.stderr, flush=True)
     # Nothing is left to write (the ClientApp saves the client state it gets back), so skip the interpreter's

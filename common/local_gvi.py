@@ -59,6 +59,7 @@ from torch import Tensor
 
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from common.fast_math import log1p
 from common.quadratic import QuadraticLoss
 from common.variational import DEFAULT_MIN_SCALE, MeanFieldVariational, VariationalGaussian, variational_for
 
@@ -408,11 +409,11 @@ class _MomentDivergenceFn(torch.autograd.Function):
         d = mean - mean_p
         if kind == "kl":
             u = torch.mul(lam_p, var).sub_(1.0)
-            val = u.sub(torch.log1p(u)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
+            val = u.sub(log1p(u)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
             ctx.save_for_backward(d, var, lam_p)
         elif kind == "reverse_kl":
             w = torch.mul(lam_p, var).reciprocal_().sub_(1.0)
-            val = w.sub(torch.log1p(w)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
+            val = w.sub(log1p(w)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
             ctx.save_for_backward(d, var, lam_p)
         else:
             u = torch.mul(lam_p, var).sub_(1.0)
@@ -429,7 +430,7 @@ class _MomentDivergenceFn(torch.autograd.Function):
                 )
             a = u * (1.0 - alpha)
             inv1a = torch.reciprocal(a + 1.0)
-            log_term = torch.log1p(a).sub_(torch.log1p(u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
+            log_term = log1p(a).sub_(log1p(u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
             val = torch.dot((lam_p * d * d).reshape(-1), inv1a.reshape(-1)) - log_term
             ctx.save_for_backward(d, var, lam_p, u, inv1a)
         ctx.kind, ctx.alpha, ctx.c = kind, alpha, c

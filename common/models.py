@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from common import fused_sampling
 from common.families import GaussianFactor, MeanFieldGaussian
 from common.likelihoods import CategoricalOutput, GaussianOutput, LikelihoodOutput
 from common.quadratic import QuadraticLoss
@@ -333,7 +334,12 @@ class BayesianMLP(LikelihoodModel):
 
     name = "bnn"
 
-    def __init__(self, in_features: int, hidden: Sequence[int] = (), num_classes: int = 10) -> None:
+    def __init__(self, in_features: int, hidden: Sequence[int] = (), num_classes: int = 10,
+                 fused_sampling: bool = True) -> None:
+        if not isinstance(fused_sampling, bool):
+            raise ValueError(f"{self.name}: fused_sampling must be true or false, got {fused_sampling!r}")
+        #: sample hidden layers with :mod:`common.fused_sampling` where it applies (float32 CPU, kernels built)
+        self.use_fused_sampling = fused_sampling
         self.in_features = _positive_int(in_features, "in_features", self.name)
         if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Sequence):
             raise ValueError(f"{self.name}: hidden must be a list of positive integers, got {hidden!r}")
@@ -392,10 +398,11 @@ class BayesianMLP(LikelihoodModel):
         return CategoricalOutput(h)
 
     @staticmethod
-    def _moments(h: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor) -> tuple[Tensor, Tensor]:
-        # h is 2-D (N, in): two GEMMs with the bias fused in
+    def _moments(h: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,
+                 h_sq: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # h is 2-D (N, in): two GEMMs with the bias fused in; h_sq = h * h when the caller has it
         mu = torch.addmm(b_mean, h, w_mean.t())
-        var = torch.addmm(b_var, h * h, w_var.t())
+        var = torch.addmm(b_var, h * h if h_sq is None else h_sq, w_var.t())
         return mu, var
 
     def preactivation_moments(
@@ -423,9 +430,12 @@ class BayesianMLP(LikelihoodModel):
 
         The first layer's moments are computed once on ``(B, in)`` (two GEMMs shared by all samples), and
         only its ``(S, B, out)`` pre-activations are sampled; later layers act on the flattened
-        ``(S*B, h)`` activations.  Differentiable w.r.t. ``mean`` and ``variance``; the noise comes from
-        ``torch.randn(..., generator=generator)`` (one draw of ``(S, B, out)`` per layer, in layer order),
-        so the same generator state gives the same output.  Variances must be > 0 where the gradient is
+        ``(S*B, h)`` activations.  Differentiable w.r.t. ``mean`` and ``variance``.  The noise of the hidden
+        layers comes from :func:`common.fused_sampling.sample_relu` (one fused pass for the draw, the ReLU and
+        the square; its key is drawn from ``generator``) when ``fused_sampling`` is on and it applies
+        (float32 on the CPU, kernels built), otherwise from ``torch.randn(..., generator=generator)`` (one
+        draw of ``(S, B, out)`` per layer, in layer order); the output layer's always from ``torch.randn``.
+        Either way the same generator state gives the same output.  Variances must be > 0 where the gradient is
         needed (``sqrt`` has an infinite derivative at 0).
         """
         s = _positive_int(n_samples, "n_samples", self.name)
@@ -436,12 +446,18 @@ class BayesianMLP(LikelihoodModel):
             x = x.to(dtype)
         b = x.shape[0]
         h: Tensor = x
+        h_sq: Tensor | None = None
         a: Tensor = x
+        fused = self.use_fused_sampling and self.num_layers > 1 and fused_sampling.applies_to(w0)
         for i in range(self.num_layers):
             k = f"layers.{i}"
             mu, var = self._moments(h, mean[f"{k}.weight"], mean[f"{k}.bias"], variance[f"{k}.weight"],
-                                    variance[f"{k}.bias"])
+                                    variance[f"{k}.bias"], h_sq)
             out = mu.shape[-1]
+            if fused and i < self.num_layers - 1:  # one pass: draw, ReLU and square (common/fused_sampling.py)
+                h, h_sq, _ = fused_sampling.sample_relu(mu, var.sqrt(), s if i == 0 else 1, generator)
+                h, h_sq = h.view(s * b, out), h_sq.view(s * b, out)
+                continue
             if i == 0:  # moments (B, out) shared across samples; broadcast into (S, B, out)
                 eps = torch.randn((s, b, out), generator=generator, dtype=dtype, device=device)
             else:  # moments (S*B, out)

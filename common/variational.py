@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from common.fast_math import softplus
 
 DEFAULT_MIN_SCALE = 1e-8
 
@@ -134,7 +134,7 @@ class MeanFieldVariational(VariationalGaussian):
         return list(self.raw_scales)
 
     def scales(self) -> dict[str, Tensor]:
-        return {n: F.softplus(r) + self.min_scale for n, r in zip(self.names, self.raw_scales)}
+        return {n: softplus(r) + self.min_scale for n, r in zip(self.names, self.raw_scales)}
 
     def means(self) -> dict[str, Tensor]:
         return dict(zip(self.names, self.locs))
@@ -212,7 +212,7 @@ class FullCovarianceVariational(VariationalGaussian):
 
     def cholesky(self) -> Tensor:
         """Lower-triangular ``L`` with positive diagonal, ``Sigma = L L^T``."""
-        diag = F.softplus(self.raw_diag) + self.min_scale
+        diag = softplus(self.raw_diag) + self.min_scale
         return torch.where(self._strict_lower_mask, self.lower, torch.zeros_like(self.lower)) + torch.diag(diag)
 
     def mean_covariance(self) -> tuple[Tensor, Tensor]:

@@ -146,9 +146,9 @@ def run_one(spec: RunSpec, raw: dict, out_dir: str) -> RunResult:
     ``<out_dir>/<spec.name>/`` (plus ``byzantine.json``: the run's CPU and wall seconds)."""
     import logging
 
-    import torch
+    from common.runtime import configure_compute
 
-    torch.set_num_threads(1)
+    configure_compute(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     from client.app import app as client_app
     from server.app import prepare, run_strategy

@@ -42,7 +42,6 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -57,6 +56,9 @@ from common.errors import PGVIError  # noqa: E402
 from common.factors import PGVIServerState  # noqa: E402
 from common.families import GaussianFactor, MeanFieldGaussian  # noqa: E402
 from common.problem import ArraysSplit, Problem, build_problem  # noqa: E402
+from common.runtime import configure_compute  # noqa: E402
+
+configure_compute(1)
 
 EXPERIMENTS = ("clutter", "influence", "logistic2d")
 LOCAL_EPOCHS = 10  # Adam warm start (one full-batch step per epoch); the L-BFGS polish then converges

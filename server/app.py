@@ -6,7 +6,6 @@ import time
 from logging import INFO
 from pathlib import Path
 
-import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
@@ -14,6 +13,7 @@ from flwr.supercore import log
 from common.config import ConfigError, RunConfig, parse_run_config
 from common.evaluation import evaluate_posterior
 from common.problem import Problem, build_problem, load_full_data
+from common.runtime import configure_compute
 from strategies.pgvi import PGVIStrategy
 from strategies.results import RoundRecorder
 
@@ -30,7 +30,7 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
     except ValueError as err:  # e.g. a test-fraction that leaves too few points for the split
         raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
     if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+        configure_compute(cfg.torch_threads)
     problem = build_problem(cfg, data)
     if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
         from strategies.checkpoint import CheckpointMismatch, load_checkpoint
