@@ -16,47 +16,22 @@ counter-based generator that vectorises:
 * the key is drawn from the caller's ``torch.Generator`` (one draw per call), so a seeded generator gives
   the same samples whatever the number of threads.
 
-The C source below is compiled on first use with the system C compiler (``-O3 -march=native``; ``$CC``,
-else ``cc``/``gcc``) into a per-user cache (``$PGVI_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/pgvi-kernels``,
-else ``~/.cache/pgvi-kernels``), keyed by a hash of the source, the flags, the compiler's version and the
-CPU's flags, and loaded with :mod:`ctypes`.  Where there is no compiler, the build fails, or the cache
-directory is not private to this user, :func:`available` is ``False`` (with one warning) and the model
-keeps its torch path: the same distribution from torch's own generator, so results differ from the fused
+The C source below is built on first use by :class:`common.native.NativeLibrary` (system C compiler, per-user
+cache).  Where it cannot be built, :func:`available` is ``False`` (with one warning) and the model keeps its
+torch path: the same distribution from torch's own generator, so results differ from the fused
 path's by Monte Carlo noise only.  float32 CPU tensors only; anything else takes the torch path.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-_LOG = logging.getLogger(__name__)
+from common.native import NativeLibrary, run_chunks
 
 _C_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#if defined(__x86_64__) && defined(__GLIBC__)
-/* glibc's libmvec has vector variants of these; declaring them lets the loops below vectorise */
-float logf(float) __attribute__((simd("notinbranch")));
-float sinf(float) __attribute__((simd("notinbranch")));
-float cosf(float) __attribute__((simd("notinbranch")));
-#endif
-
 #define NB 256 /* Philox blocks (4 normals each) per tile */
 #define TWO_PI 6.283185307179586f
 #define U24 5.9604644775390625e-08f /* 2^-24 */
@@ -148,132 +123,35 @@ void pgvi_relu_sample_bwd(const float *restrict gh, const float *restrict gh2, c
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared"]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_size = 0
-
-
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
-def _private_dir(path: Path) -> bool:
-    """``path`` exists (or was made), is a directory owned by this user and writable by nobody else."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.lstat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not (st.st_mode & 0o022)
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("PGVI_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pgvi-kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (set $CC, or install gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        "\0".join([_C_SOURCE, " ".join(_FLAGS), version, platform.machine(), _cpu_flags()]).encode()
-    ).hexdigest()[:20]
-    cache = _cache_dir()
-    if not _private_dir(cache):
-        raise RuntimeError(f"kernel cache {cache} is not a directory private to this user")
-    so = cache / f"pgvi_fused_{key}.so"
-    if not so.exists():
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = Path(tmp) / "pgvi_fused.c"
-            src.write_text(_C_SOURCE, encoding="utf-8")
-            out = Path(tmp) / so.name
-            proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-            os.replace(out, so)  # atomic: concurrent builders each rename a complete file
-    lib = ctypes.CDLL(str(so))
-    i64, u32, vp = ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
-    lib.pgvi_normals.argtypes = [vp, i64, u32, u32, u32]
-    lib.pgvi_normals.restype = None
-    lib.pgvi_relu_sample_fwd.argtypes = [vp, vp, i64, i64, i64, u32, u32, vp, vp, vp]
-    lib.pgvi_relu_sample_fwd.restype = None
-    lib.pgvi_relu_sample_bwd.argtypes = [vp, vp, vp, vp, i64, i64, i64, i64, i64, vp, vp]
-    lib.pgvi_relu_sample_bwd.restype = None
-    # self-check: 4,096 normals of one stream are finite with mean ~ 0 and variance ~ 1
+def _self_check(lib: ctypes.CDLL) -> None:
+    """4,096 normals of one stream are finite with mean ~ 0 and variance ~ 1."""
     z = torch.empty(4096)
     lib.pgvi_normals(z.data_ptr(), z.numel(), 0, 12345, 678)
     if not (bool(torch.isfinite(z).all()) and abs(float(z.mean())) < 0.1 and abs(float(z.var()) - 1.0) < 0.1):
         raise RuntimeError("the compiled generator failed its self-check")
-    return lib
 
 
-def _library() -> ctypes.CDLL | None:
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            if os.environ.get("PGVI_FUSED_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-                _LOG.info("fused sampling kernels disabled by PGVI_FUSED_KERNELS")
-            else:
-                try:
-                    _lib = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-                    _LOG.warning("fused sampling kernels unavailable, using torch's sampler: %s", err)
-        return _lib
+_I64, _U32, _VP = ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
+_NATIVE = NativeLibrary(
+    "sampling",
+    _C_SOURCE,
+    {
+        "pgvi_normals": ([_VP, _I64, _U32, _U32, _U32], None),
+        "pgvi_relu_sample_fwd": ([_VP, _VP, _I64, _I64, _I64, _U32, _U32, _VP, _VP, _VP], None),
+        "pgvi_relu_sample_bwd": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP], None),
+    },
+    _self_check,
+)
 
 
 def available() -> bool:
     """``True`` if the compiled kernels are loaded (builds them on the first call)."""
-    return _library() is not None
+    return _NATIVE.get() is not None
 
 
 def applies_to(mu: Tensor) -> bool:
     """Whether :func:`sample_relu` can take tensors like ``mu`` (float32, CPU) and the kernels are built."""
     return mu.dtype == torch.float32 and mu.device.type == "cpu" and available()
-
-
-def _run_chunks(fn, total: int, *args) -> None:  # type: ignore[no-untyped-def]
-    """Call ``fn(*args, lo, hi)`` over ``[0, total)`` in ``torch.get_num_threads()`` chunks (ctypes releases
-    the GIL, so the chunks run in parallel)."""
-    global _pool, _pool_size
-    k = max(1, min(torch.get_num_threads(), total))
-    if k == 1:
-        fn(*args, 0, total)
-        return
-    with _lock:
-        if _pool is None or _pool_size != k:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=k, thread_name_prefix="pgvi-fused")
-            _pool_size = k
-        pool = _pool
-    bounds = [total * i // k for i in range(k + 1)]
-    for f in [pool.submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(k)]:
-        f.result()
 
 
 def _key(generator: torch.Generator | None) -> tuple[int, int]:
@@ -284,7 +162,7 @@ def _key(generator: torch.Generator | None) -> tuple[int, int]:
 class _SampleReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int):  # type: ignore[override]
-        lib = _lib
+        lib = _NATIVE.get()
         assert lib is not None
         mu, sd = mu.detach().contiguous(), sd.detach().contiguous()
         rows, width = mu.shape
@@ -297,20 +175,21 @@ class _SampleReLU(torch.autograd.Function):
             lib.pgvi_relu_sample_fwd(mu.data_ptr(), sd.data_ptr(), n, s0, s1, k0, k1, eps.data_ptr(), h.data_ptr(),
                                      h2.data_ptr())
 
-        _run_chunks(fwd, n_samples)
+        run_chunks(fwd, n_samples)
         ctx.save_for_backward(h, eps)
         ctx.mark_non_differentiable(eps)
+        ctx.set_materialize_grads(False)  # no (S, R, H) zero tensors for the outputs that get no gradient
         return h, h2, eps
 
     @staticmethod
     def backward(ctx, grad_h: Tensor | None, grad_h2: Tensor | None, _grad_eps: Tensor | None):  # type: ignore[override]
-        lib = _lib
+        lib = _NATIVE.get()
         assert lib is not None
         h, eps = ctx.saved_tensors
         n_samples, rows, width = h.shape
-        if grad_h is None:
-            grad_h = torch.zeros_like(h)
-        gh = grad_h.contiguous()
+        if grad_h is None and grad_h2 is None:
+            return None, None, None, None, None
+        gh = torch.zeros_like(h) if grad_h is None else grad_h.contiguous()
         gh2 = None if grad_h2 is None else grad_h2.contiguous()
         dmu = torch.empty((rows, width), dtype=h.dtype)
         dsd = torch.empty_like(dmu)
@@ -319,7 +198,7 @@ class _SampleReLU(torch.autograd.Function):
             lib.pgvi_relu_sample_bwd(gh.data_ptr(), None if gh2 is None else gh2.data_ptr(), h.data_ptr(),
                                      eps.data_ptr(), n_samples, rows, width, r0, r1, dmu.data_ptr(), dsd.data_ptr())
 
-        _run_chunks(bwd, rows)
+        run_chunks(bwd, rows)
         return dmu, dsd, None, None, None
 
 
@@ -344,7 +223,7 @@ def sample_relu(
 def standard_normal(n: int, stream: int, key: int) -> Tensor:
     """``n`` standard normals of the compiled generator's ``stream`` under the 64-bit ``key`` (for tests:
     the same numbers :func:`sample_relu` uses as ``eps`` of sample ``stream``)."""
-    lib = _library()
+    lib = _NATIVE.get()
     if lib is None:
         raise RuntimeError("fused sampling kernels are not available")
     out = torch.empty(n, dtype=torch.float32)

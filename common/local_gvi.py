@@ -59,6 +59,7 @@ from torch import Tensor
 
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from common import fused_meanfield
 from common.fast_math import log1p
 from common.quadratic import QuadraticLoss
 from common.variational import DEFAULT_MIN_SCALE, MeanFieldVariational, VariationalGaussian, variational_for
@@ -261,13 +262,29 @@ class _Objective:
 
     def moments(self, q: VariationalGaussian) -> _Moments | None:
         """Mean-field means, scales and variances, computed once per step and shared by the loss and the
-        divergence (``None`` for the full-covariance family)."""
+        divergence (``None`` for the full-covariance family).  On the local-reparameterisation path with a
+        moment-form divergence and float32 CPU parameters, :mod:`common.fused_meanfield` computes the
+        variances and the divergence together in one pass (no scales: that path does not use them)."""
         if not isinstance(q, MeanFieldVariational):
             return None
+        fd = self.fast_divergence
+        if fd is not None and self.path == "mc_local_reparam" and fused_meanfield.applies_to(q.locs[0]):
+            variances: dict[str, Tensor] = {}
+            total: Tensor | None = None
+            for name, loc, raw in zip(q.names, q.locs, q.raw_scales):
+                v, value, bad = fused_meanfield.variance_and_divergence(
+                    loc, raw, fd.mean_p[name], fd.lam_p[name], fd.kind, fd.alpha, 0.5 * fd.weight, q.min_scale)
+                if bad:
+                    raise _alpha_renyi_undefined(fd.alpha, bad, loc.numel(), name)
+                variances[name] = v
+                total = value if total is None else total + value
+            return _Moments(q.means(), None, variances, total)
         means, scales = q.means(), q.scales()
         return _Moments(means, scales, {k: v * v for k, v in scales.items()})
 
     def divergence_term(self, q: VariationalGaussian, moments: _Moments | None = None) -> Tensor:
+        if moments is not None and moments.divergence is not None:
+            return moments.divergence
         if self.fast_divergence is not None:
             moments = moments or self.moments(q)
             assert moments is not None
@@ -291,6 +308,7 @@ class _Objective:
             assert moments is not None
             out = self.model.output_local_reparam(moments.means, moments.variances, xb, s, generator)
         elif moments is not None:
+            assert moments.scales is not None  # the fused variances are used on the local-reparam path only
             theta = {}
             for k, m in moments.means.items():
                 eps = torch.randn((s, *m.shape), dtype=m.dtype, generator=generator)
@@ -335,8 +353,9 @@ class _Objective:
 @dataclass
 class _Moments:
     means: dict[str, Tensor]
-    scales: dict[str, Tensor]
+    scales: dict[str, Tensor] | None  # None where the fused path computed the variances directly
     variances: dict[str, Tensor]
+    divergence: Tensor | None = None  # D(q || cavity), when computed together with the variances
 
 
 class MeanFieldMomentDivergence:
@@ -390,6 +409,15 @@ class MeanFieldMomentDivergence:
         return total
 
 
+def _alpha_renyi_undefined(alpha: float, bad: int, numel: int, name: str) -> DivergenceUndefinedError:
+    return DivergenceUndefinedError(
+        f"Alpha-Renyi divergence with alpha={alpha:g} is infinite: combined precision "
+        f"alpha*lambda_q + (1-alpha)*lambda_p <= 0 in {bad} of {numel} coordinates of '{name}'"
+        + (f"; for alpha > 1, q must satisfy sigma_q^2 < {alpha / (alpha - 1.0):.4g} * sigma_p^2"
+           if alpha > 1.0 else "")
+    )
+
+
 class _MomentDivergenceFn(torch.autograd.Function):
     """``c * sum_i f(mu_i, v_i)`` for one tensor with the analytic gradient (``c = weight / 2``).
 
@@ -421,13 +449,7 @@ class _MomentDivergenceFn(torch.autograd.Function):
             extreme = float(u.max()) if alpha > 1.0 else float(u.min())
             if not (1.0 + (1.0 - alpha) * extreme > 0.0):
                 a_all = (1.0 - alpha) * u
-                bad = int((~(a_all > -1.0)).sum())
-                raise DivergenceUndefinedError(
-                    f"Alpha-Renyi divergence with alpha={alpha:g} is infinite: combined precision "
-                    f"alpha*lambda_q + (1-alpha)*lambda_p <= 0 in {bad} of {u.numel()} coordinates of '{name}'"
-                    + (f"; for alpha > 1, q must satisfy sigma_q^2 < {alpha / (alpha - 1.0):.4g} * sigma_p^2"
-                       if alpha > 1.0 else "")
-                )
+                raise _alpha_renyi_undefined(alpha, int((~(a_all > -1.0)).sum()), u.numel(), name)
             a = u * (1.0 - alpha)
             inv1a = torch.reciprocal(a + 1.0)
             log_term = log1p(a).sub_(log1p(u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))

@@ -188,7 +188,7 @@ def test_falls_back_to_torch_without_a_working_compiler(tmp_path: Path, cc: str,
     res = _python(_PROBE, {"CC": cc, "PATH": str(tmp_path), "PGVI_KERNEL_CACHE": str(tmp_path / "c")})
     assert res.returncode == 0, res.stderr
     assert "available False" in res.stdout and "sum 5.0" in res.stdout
-    assert "fused sampling kernels unavailable" in res.stderr and why in res.stderr
+    assert "sampling kernels unavailable" in res.stderr and why in res.stderr
 
 
 def test_disabled_by_environment_and_refuses_a_shared_cache(tmp_path: Path) -> None:
@@ -203,4 +203,4 @@ def test_disabled_by_environment_and_refuses_a_shared_cache(tmp_path: Path) -> N
     private = tmp_path / "private"
     res = _python(_PROBE, {"PGVI_KERNEL_CACHE": str(private)})
     assert res.returncode == 0 and "available True" in res.stdout, res.stderr
-    assert len(list(private.glob("pgvi_fused_*.so"))) == 1
+    assert len(list(private.glob("pgvi_sampling_*.so"))) == 1

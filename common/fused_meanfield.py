@@ -1,0 +1,215 @@
+"""Fused parameter side of a mean-field local GVI step: scales, variances and ``D(q || cavity)`` in one pass.
+
+Per coordinate, :class:`~common.variational.MeanFieldVariational` has a mean ``m`` and a raw scale ``r`` with
+``sigma = softplus(r) + min_scale``; the step needs ``v = sigma^2`` (for the model's variance GEMMs) and the
+divergence to the fixed mean-field cavity ``(mu_p, lambda_p)`` in the moment forms of
+:class:`common.local_gvi.MeanFieldMomentDivergence` (KL and weighted KL, reverse KL, Alpha-Renyi).  In torch
+that is about 20 element-wise kernels forward and 10 backward over every coordinate (2.2 ms per step for
+the 159,010 coordinates of the 784-200-10 BNN with KL, 3.0 ms with Alpha-Renyi, one thread).  Here one C
+pass computes ``v`` and the divergence's sum (per-coordinate terms in float32 with the same cancellation-free
+``log1p`` forms, by Goldberg's rewrite on the vectorised ``logf``; the sum in float64), and one backward pass turns the loss's gradient w.r.t. ``v`` plus the
+divergence's analytic gradient into the gradients w.r.t. ``m`` and ``r``
+(``d/dr = (g_v + g_D dD/dv) 2 sigma sigmoid(r)``).
+
+float32 CPU tensors only, built by :class:`common.native.NativeLibrary`; elsewhere (float64, no compiler,
+``PGVI_FUSED_KERNELS=0``) the caller keeps the torch path.  The Alpha-Renyi divergence's undefined region
+(``1 + (1 - alpha)(lambda_p v - 1) <= 0``) is counted by the kernel and reported by the caller with the same
+typed error as the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from common.native import NativeLibrary, run_chunks
+
+KINDS = {"kl": 0, "reverse_kl": 1, "alpha_renyi": 2}
+
+_C_SOURCE = r"""
+static inline float softplus_f(float x) {
+    /* max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's log(u) * t / (u - 1) */
+    float t = expf(-fabsf(x));
+    float u = 1.0f + t, d = u - 1.0f;
+    float l = d == 0.0f ? t : logf(u) * (t / d);
+    return (x > 0.0f ? x : 0.0f) + l;
+}
+static inline float log1p_f(float x) {
+    float u = 1.0f + x, d = u - 1.0f;
+    return d == 0.0f ? x : logf(u) * (x / d);
+}
+
+/* var[i] = (softplus(raw[i]) + min_scale)^2 for i in [lo, hi); returns sum_i f_i (the divergence's terms
+   without the factor c); *bad = number of Alpha-Renyi coordinates outside the domain */
+double pgvi_mf_forward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
+                       const float *restrict lp, int64_t lo, int64_t hi, int kind, double alpha, float min_scale,
+                       float *restrict var, int64_t *bad) {
+    double acc = 0.0;
+    int64_t nbad = 0;
+    float c1 = (float)(1.0 - alpha), inv_aa = kind == 2 ? (float)(1.0 / (alpha * (alpha - 1.0))) : 0.0f;
+    /* one loop per kind: a branch inside the loop would keep it from vectorising */
+    if (kind == 0) {
+        #pragma omp simd reduction(+:acc)
+        for (int64_t i = lo; i < hi; i++) {
+            float s = softplus_f(raw[i]) + min_scale;
+            float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f;
+            var[i] = v;
+            acc += (double)(u - log1p_f(u) + l * d * d);
+        }
+    } else if (kind == 1) {
+        #pragma omp simd reduction(+:acc)
+        for (int64_t i = lo; i < hi; i++) {
+            float s = softplus_f(raw[i]) + min_scale;
+            float v = s * s, l = lp[i], d = loc[i] - mp[i], w = 1.0f / (l * v) - 1.0f;
+            var[i] = v;
+            acc += (double)(w - log1p_f(w) + d * d / v);
+        }
+    } else {
+        #pragma omp simd reduction(+:acc, nbad)
+        for (int64_t i = lo; i < hi; i++) {
+            float s = softplus_f(raw[i]) + min_scale;
+            float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f, a = c1 * u;
+            var[i] = v;
+            nbad += (1.0f + a > 0.0f) ? 0 : 1;
+            acc += (double)(l * d * d / (1.0f + a) - (log1p_f(a) - c1 * log1p_f(u)) * inv_aa);
+        }
+    }
+    *bad = nbad;
+    return acc;
+}
+
+/* gloc[i] = g_div dD/dm, graw[i] = (gvar[i] + g_div dD/dv) 2 sigma sigmoid(raw) for i in [lo, hi); gvar may be
+   NULL (no loss gradient w.r.t. v) */
+void pgvi_mf_backward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
+                      const float *restrict lp, const float *restrict gvar, float g_div, int64_t lo, int64_t hi,
+                      int kind, float alpha, float min_scale, float *restrict gloc, float *restrict graw) {
+    float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) {
+        float x = raw[i];
+        float s = softplus_f(x) + min_scale;
+        float v = s * s, l = lp[i], d = loc[i] - mp[i], dm, dv;
+        if (kind == 0) {
+            dm = 2.0f * l * d;
+            dv = l - 1.0f / v;
+        } else if (kind == 1) {
+            float iv = 1.0f / v;
+            dm = 2.0f * d * iv;
+            dv = (1.0f - iv / l - d * d * iv) * iv;
+        } else {
+            float u = l * v - 1.0f, inv1a = 1.0f / (1.0f + c1 * u), t = l * d * inv1a;
+            dm = 2.0f * t;
+            dv = -c1 * t * t + l * (inv1a - 1.0f / (u + 1.0f)) * inv_alpha;
+        }
+        float gv = (gvar ? gvar[i] : 0.0f) + g_div * dv;
+        float sig = 1.0f / (1.0f + expf(-x));
+        gloc[i] = g_div * dm;
+        graw[i] = gv * 2.0f * s * sig;
+    }
+}
+"""
+
+_I64, _F32, _F64, _INT, _VP = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int, ctypes.c_void_p
+
+
+def _self_check(lib: ctypes.CDLL) -> None:
+    """KL of N(0, sigma^2) from N(0, 1) at sigma = softplus(0) = log 2 against the closed form."""
+    z = torch.zeros(64)
+    lam = torch.ones(64)
+    var = torch.empty(64)
+    bad = ctypes.c_int64(0)
+    total = lib.pgvi_mf_forward(z.data_ptr(), z.data_ptr(), z.data_ptr(), lam.data_ptr(), 0, 64, 0, 1.0, 0.0,
+                                var.data_ptr(), ctypes.byref(bad))
+    v = 0.6931471805599453**2
+    want = 64 * (v - 1.0 - torch.log(torch.tensor(v, dtype=torch.float64)).item())
+    if not (abs(total - want) < 1e-5 * abs(want) and abs(float(var[0]) - v) < 1e-6):
+        raise RuntimeError("the compiled mean-field kernel failed its self-check")
+
+
+_NATIVE = NativeLibrary(
+    "meanfield",
+    _C_SOURCE,
+    {
+        "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, ctypes.POINTER(_I64)], _F64),
+        "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _F32, _VP, _VP], None),
+    },
+    _self_check,
+)
+
+
+def available() -> bool:
+    return _NATIVE.get() is not None
+
+
+def applies_to(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and available()
+
+
+class _VarianceAndDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loc: Tensor, raw: Tensor, mean_p: Tensor, lam_p: Tensor, kind: int, alpha: float,  # type: ignore[override]
+                c: float, min_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        lib = _NATIVE.get()
+        assert lib is not None
+        loc, raw = loc.detach().contiguous(), raw.detach().contiguous()
+        n = loc.numel()
+        var = torch.empty_like(loc)
+        parts: list[tuple[float, int]] = []
+        lock_free = parts.append  # list.append is atomic under the GIL
+
+        def fwd(lo: int, hi: int) -> None:
+            bad = ctypes.c_int64(0)
+            s = lib.pgvi_mf_forward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(), lo, hi, kind,
+                                    alpha, min_scale, var.data_ptr(), ctypes.byref(bad))
+            lock_free((s, int(bad.value)))
+
+        run_chunks(fwd, n)
+        total = sum(p[0] for p in parts)
+        n_bad = sum(p[1] for p in parts)
+        ctx.save_for_backward(loc, raw, mean_p, lam_p)
+        ctx.kind, ctx.alpha, ctx.c, ctx.min_scale = kind, alpha, c, min_scale
+        ctx.set_materialize_grads(False)
+        value = torch.tensor(c * total, dtype=loc.dtype)
+        n_bad_t = torch.tensor(n_bad, dtype=torch.int64)
+        ctx.mark_non_differentiable(n_bad_t)
+        return var, value, n_bad_t
+
+    @staticmethod
+    def backward(ctx, g_var: Tensor | None, g_value: Tensor | None, _g_bad: Tensor | None):  # type: ignore[override]
+        lib = _NATIVE.get()
+        assert lib is not None
+        loc, raw, mean_p, lam_p = ctx.saved_tensors
+        gv = None if g_var is None else g_var.contiguous()
+        g_div = 0.0 if g_value is None else float(g_value) * ctx.c
+        g_loc = torch.empty_like(loc)
+        g_raw = torch.empty_like(raw)
+
+        def bwd(lo: int, hi: int) -> None:
+            lib.pgvi_mf_backward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(),
+                                 None if gv is None else gv.data_ptr(), g_div, lo, hi, ctx.kind, ctx.alpha,
+                                 ctx.min_scale, g_loc.data_ptr(), g_raw.data_ptr())
+
+        run_chunks(bwd, loc.numel())
+        return g_loc, g_raw, None, None, None, None, None, None
+
+
+def variance_and_divergence(loc: Tensor, raw: Tensor, mean_p: Tensor, lam_p: Tensor, kind: str, alpha: float,
+                            c: float, min_scale: float) -> tuple[Tensor, Tensor, int]:
+    """``(v, c * sum_i f_i, n_undefined)`` with ``v = (softplus(raw) + min_scale)^2`` and ``f_i`` the divergence's
+    per-coordinate moment form (see :class:`common.local_gvi.MeanFieldMomentDivergence`); differentiable
+    w.r.t. ``loc`` and ``raw``.  ``n_undefined`` counts Alpha-Renyi coordinates outside the domain (the value
+    is then meaningless: the caller raises).  Call only where :func:`applies_to` holds for all four tensors."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown moment divergence {kind!r}")
+    tensors = (loc, raw, mean_p, lam_p)
+    if any(t.shape != loc.shape for t in tensors) or not all(applies_to(t) for t in tensors):
+        raise ValueError("variance_and_divergence: four float32 CPU tensors of one shape are needed")
+    mean_p, lam_p = mean_p.detach().contiguous(), lam_p.detach().contiguous()
+    var, value, bad = _VarianceAndDivergence.apply(loc, raw, mean_p, lam_p, KINDS[kind], float(alpha), float(c),
+                                                   float(min_scale))
+    return var, value, int(bad)
+
+
+__all__ = ["KINDS", "applies_to", "available", "variance_and_divergence"]

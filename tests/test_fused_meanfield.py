@@ -1,0 +1,140 @@
+"""common.fused_meanfield: the fused variances, divergence value and gradients equal the torch path's
+(softplus scales + MeanFieldMomentDivergence) for every moment-form divergence, the Alpha-Renyi undefined
+region raises the same typed error from local_gvi, and a local GVI run is the same on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import fused_meanfield as fm
+from common.divergences import make_divergence
+from common.errors import DivergenceUndefinedError
+from common.families import MeanFieldGaussian
+from common.local_gvi import LocalGVIConfig, MeanFieldMomentDivergence, local_gvi
+from common.losses import make_loss
+from common.models import make_model
+from common.variational import MeanFieldVariational
+
+pytestmark = pytest.mark.skipif(not fm.available(), reason="mean-field kernels could not be built here")
+
+DIVERGENCES = [("kl", {}), ("weighted_kl", {"w": 3.0}), ("reverse_kl", {}), ("alpha_renyi", {"alpha": 2.5}),
+               ("alpha_renyi", {"alpha": 0.5})]
+
+
+def _setup(n: int = 5000, seed: int = 0) -> tuple[MeanFieldVariational, MeanFieldGaussian]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (n // 50, 50), "b": (7,)}
+    mean = {k: 0.3 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    var = {k: 0.05 + 0.3 * torch.rand(s, generator=g) for k, s in shapes.items()}
+    q = MeanFieldVariational(MeanFieldGaussian.from_mean_variance(mean, var), dtype=torch.float32)
+    p_mean = {k: 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    p_var = {k: 0.3 + 0.3 * torch.rand(s, generator=g) for k, s in shapes.items()}
+    return q, MeanFieldGaussian.from_mean_variance(p_mean, p_var)
+
+
+@pytest.mark.parametrize("name, hyper", DIVERGENCES)
+def test_value_and_gradients_equal_the_torch_path(name: str, hyper: dict) -> None:
+    q, p = _setup()
+    fd = MeanFieldMomentDivergence.create(make_divergence(name, **hyper), p)
+    assert fd is not None
+    g = torch.Generator().manual_seed(1)
+    g_var = {k: torch.randn(v.shape, generator=g) for k, v in zip(q.names, q.locs)}
+
+    # torch path
+    scales = q.scales()
+    var_t = {k: s * s for k, s in scales.items()}
+    d_t = fd(q.means(), var_t)
+    obj_t = d_t + sum((g_var[k] * var_t[k]).sum() for k in q.names)
+    grads_t = torch.autograd.grad(obj_t, [*q.locs, *q.raw_scales])
+
+    # fused path
+    total = None
+    var_f = {}
+    for k, loc, raw in zip(q.names, q.locs, q.raw_scales):
+        v, value, bad = fm.variance_and_divergence(loc, raw, fd.mean_p[k], fd.lam_p[k], fd.kind, fd.alpha,
+                                                   0.5 * fd.weight, q.min_scale)
+        assert bad == 0
+        var_f[k] = v
+        total = value if total is None else total + value
+    obj_f = total + sum((g_var[k] * var_f[k]).sum() for k in q.names)
+    grads_f = torch.autograd.grad(obj_f, [*q.locs, *q.raw_scales])
+
+    for k in q.names:
+        assert torch.allclose(var_f[k], var_t[k], rtol=2e-6, atol=0)
+    assert abs(float(total.detach()) - float(d_t.detach())) <= 1e-5 * abs(float(d_t.detach()))
+    for a, b in zip(grads_f, grads_t):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
+def test_divergence_value_against_the_float64_closed_form() -> None:
+    q, p = _setup(seed=3)
+    div = make_divergence("alpha_renyi", alpha=2.5)
+    fd = MeanFieldMomentDivergence.create(div, p)
+    total = 0.0
+    for k, loc, raw in zip(q.names, q.locs, q.raw_scales):
+        _, value, _ = fm.variance_and_divergence(loc, raw, fd.mean_p[k], fd.lam_p[k], fd.kind, fd.alpha, 0.5,
+                                                 q.min_scale)
+        total += float(value.detach())
+    ref = float(div(q.distribution().to(torch.float64), p.to(torch.float64)))
+    assert abs(total - ref) <= 1e-5 * abs(ref)
+
+
+def test_only_the_loss_gradient_or_only_the_divergence_gradient() -> None:
+    q, p = _setup(n=600)
+    fd = MeanFieldMomentDivergence.create(make_divergence("kl"), p)
+    k, loc, raw = q.names[0], q.locs[0], q.raw_scales[0]
+    v, value, _ = fm.variance_and_divergence(loc, raw, fd.mean_p[k], fd.lam_p[k], "kl", 1.0, 0.5, q.min_scale)
+    g_loc, g_raw = torch.autograd.grad(v.sum(), (loc, raw), allow_unused=True)
+    assert float(g_loc.abs().max()) == 0.0
+    s = torch.nn.functional.softplus(raw.detach()) + q.min_scale
+    assert torch.allclose(g_raw, 2 * s * torch.sigmoid(raw.detach()), rtol=1e-5)
+    v, value, _ = fm.variance_and_divergence(loc, raw, fd.mean_p[k], fd.lam_p[k], "kl", 1.0, 0.5, q.min_scale)
+    g_loc, _ = torch.autograd.grad(value, (loc, raw))
+    d = loc.detach() - fd.mean_p[k]
+    assert torch.allclose(g_loc, fd.lam_p[k] * d, rtol=1e-5, atol=1e-7)
+
+
+def test_alpha_renyi_undefined_region_raises_the_typed_error_in_local_gvi() -> None:
+    model = make_model("logistic_regression", in_features=3, num_classes=2)
+    shapes = model.param_shapes
+    # q's variance 4x the cavity's: alpha = 2.5 needs sigma_q^2 < 1.667 sigma_p^2
+    cavity = MeanFieldGaussian.isotropic(shapes, 0.0, 1.0, dtype=torch.float32)
+    start = MeanFieldGaussian.isotropic(shapes, 0.0, 4.0, dtype=torch.float32)
+    x = torch.randn(20, 3)
+    y = torch.randint(0, 2, (20,))
+    cfg = LocalGVIConfig(epochs=1, batch_size=10, n_samples=2, local_reparam=True, objective_estimate="running",
+                         patience=None)
+    with pytest.raises(DivergenceUndefinedError, match="sigma_q\\^2 < 1.667"):
+        local_gvi(model, make_loss("nll"), make_divergence("alpha_renyi", alpha=2.5), cavity, x, y, start, cfg)
+
+
+def test_local_gvi_is_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model("bnn", in_features=8, hidden=[16], num_classes=3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 8, generator=g)
+    y = torch.randint(0, 3, (300,), generator=g)
+    prior = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 1.0, dtype=torch.float32)
+    mean = model.init_mean(torch.Generator().manual_seed(1))
+    start = MeanFieldGaussian.from_mean_variance(mean, {k: torch.full_like(v, 1e-2) for k, v in mean.items()})
+    cfg = LocalGVIConfig(epochs=3, batch_size=64, n_samples=4, local_reparam=True, objective_estimate="running",
+                         patience=None, seed=5, lr=1e-2)
+    args = (model, make_loss("gce", delta=0.8), make_divergence("alpha_renyi", alpha=2.5), prior, x, y, start, cfg)
+    fused = local_gvi(*args)
+    monkeypatch.setattr(fm, "applies_to", lambda t: False)
+    plain = local_gvi(*args)
+    # the same noise (the model's sampler is not affected), so the runs differ by float32 rounding only
+    assert fused.objective_trace == pytest.approx(plain.objective_trace, rel=1e-4)
+    for k in model.param_shapes:
+        assert torch.allclose(fused.posterior.mean()[k], plain.posterior.mean()[k], rtol=1e-3, atol=1e-4)
+        assert torch.allclose(fused.posterior.variance()[k], plain.posterior.variance()[k], rtol=1e-3, atol=1e-6)
+
+
+def test_rejects_what_it_cannot_take() -> None:
+    q, p = _setup(n=600)
+    fd = MeanFieldMomentDivergence.create(make_divergence("kl"), p)
+    k, loc, raw = q.names[0], q.locs[0], q.raw_scales[0]
+    with pytest.raises(ValueError, match="unknown"):
+        fm.variance_and_divergence(loc, raw, fd.mean_p[k], fd.lam_p[k], "tv", 1.0, 0.5, 0.0)
+    with pytest.raises(ValueError, match="float32"):
+        fm.variance_and_divergence(loc.double(), raw, fd.mean_p[k], fd.lam_p[k], "kl", 1.0, 0.5, 0.0)
