@@ -32,6 +32,7 @@ from torch import Tensor
 from common.native import NativeLibrary, run_chunks
 
 _C_SOURCE = r"""
+#include <stdlib.h>
 #define NB 256 /* Philox blocks (4 normals each) per tile */
 #define TWO_PI 6.283185307179586f
 #define U24 5.9604644775390625e-08f /* 2^-24 */
@@ -121,7 +122,43 @@ void pgvi_relu_sample_bwd(const float *restrict gh, const float *restrict gh2, c
         }
     }
 }
+
+/* The same as pgvi_relu_sample_bwd, with the gradients w.r.t. h and h^2 formed here from the next layer's
+   moment gradients gm, gv ((S R) x C) and weights wm, wv (C x H): g_h = gm wm, g_h2 = gv wv (for a narrow next
+   layer this saves writing and re-reading two (S R) x H matrices) */
+void pgvi_relu_sample_bwd_linear(const float *restrict gm, const float *restrict gv, const float *restrict wm,
+                                 const float *restrict wv, int64_t C, const float *restrict h,
+                                 const float *restrict eps, int64_t S, int64_t n_rows, int64_t H, int64_t r0,
+                                 int64_t r1, float *restrict dmu, float *restrict dsd) {
+    float *g1 = (float *)malloc(sizeof(float) * H), *g2 = (float *)malloc(sizeof(float) * H);
+    memset(dmu + r0 * H, 0, sizeof(float) * (r1 - r0) * H);
+    memset(dsd + r0 * H, 0, sizeof(float) * (r1 - r0) * H);
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t row = s * n_rows + r;
+            const float *gmr = gm + row * C, *gvr = gv + row * C;
+            #pragma omp simd
+            for (int64_t j = 0; j < H; j++) { g1[j] = 0.0f; g2[j] = 0.0f; }
+            for (int64_t c = 0; c < C; c++) {
+                float a = gmr[c], b = gvr[c];
+                const float *wmc = wm + c * H, *wvc = wv + c * H;
+                #pragma omp simd
+                for (int64_t j = 0; j < H; j++) { g1[j] += a * wmc[j]; g2[j] += b * wvc[j]; }
+            }
+            const float *hr = h + row * H, *er = eps + row * H;
+            float *dm = dmu + r * H, *dd = dsd + r * H;
+            #pragma omp simd
+            for (int64_t j = 0; j < H; j++) {
+                float g = hr[j] > 0.0f ? g1[j] + 2.0f * hr[j] * g2[j] : 0.0f;
+                dm[j] += g; dd[j] += g * er[j];
+            }
+        }
+    }
+    free(g1);
+    free(g2);
+}
 """
+
 
 def _self_check(lib: ctypes.CDLL) -> None:
     """4,096 normals of one stream are finite with mean ~ 0 and variance ~ 1."""
@@ -139,6 +176,8 @@ _NATIVE = NativeLibrary(
         "pgvi_normals": ([_VP, _I64, _U32, _U32, _U32], None),
         "pgvi_relu_sample_fwd": ([_VP, _VP, _I64, _I64, _I64, _U32, _U32, _VP, _VP, _VP], None),
         "pgvi_relu_sample_bwd": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP], None),
+        "pgvi_relu_sample_bwd_linear": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP],
+                                        None),
     },
     _self_check,
 )
@@ -202,22 +241,116 @@ class _SampleReLU(torch.autograd.Function):
         return dmu, dsd, None, None, None
 
 
+def _check(mu: Tensor, sd: Tensor, n_samples: int, what: str) -> None:
+    if mu.dim() != 2 or sd.shape != mu.shape:
+        raise ValueError(f"{what}: mu and sd must be (R, H) of one shape, got {tuple(mu.shape)}, {tuple(sd.shape)}")
+    if not applies_to(mu) or sd.dtype != mu.dtype:
+        raise RuntimeError(f"{what}: needs float32 CPU tensors and the compiled kernels (see applies_to)")
+    if n_samples < 1 or n_samples >= 2**32:
+        raise ValueError(f"{what}: n_samples must be in [1, 2^32), got {n_samples}")
+    if mu.numel() >= 2**34:
+        raise ValueError(f"{what}: more than 2^34 elements per sample")
+
+
 def sample_relu(
     mu: Tensor, sd: Tensor, n_samples: int, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(h, h^2, eps)`` with ``h = relu(mu + sd * eps)``, ``eps ~ N(0, I)`` of shape ``(n_samples, R, H)``
     for ``mu, sd`` of shape ``(R, H)`` (float32, CPU); differentiable w.r.t. ``mu`` and ``sd`` through ``h``
     and ``h^2`` (``eps`` is returned for tests and diagnostics).  Call only where :func:`applies_to` holds."""
-    if mu.dim() != 2 or sd.shape != mu.shape:
-        raise ValueError(f"sample_relu: mu and sd must be (R, H) of one shape, got {tuple(mu.shape)}, {tuple(sd.shape)}")
-    if not applies_to(mu) or sd.dtype != mu.dtype:
-        raise RuntimeError("sample_relu: needs float32 CPU tensors and the compiled kernels (see applies_to)")
-    if n_samples < 1 or n_samples >= 2**32:
-        raise ValueError(f"sample_relu: n_samples must be in [1, 2^32), got {n_samples}")
-    if mu.numel() >= 2**34:
-        raise ValueError("sample_relu: more than 2^34 elements per sample")
+    _check(mu, sd, n_samples, "sample_relu")
     k0, k1 = _key(generator)
     return _SampleReLU.apply(mu, sd, int(n_samples), k0, k1)
+
+
+#: Widest next layer whose input gradients the backward kernel forms itself (wider: two torch GEMMs).
+MAX_FOLDED_WIDTH = 32
+
+
+class _SampleReLULinear(torch.autograd.Function):
+    """``(mu', var')`` of the next layer: ``h W_mu^T + b_mu`` and ``h^2 W_var^T + b_var`` with ``h`` from
+    :class:`_SampleReLU`'s forward; the backward forms ``d/dh`` and ``d/dh^2`` inside the kernel."""
+
+    @staticmethod
+    def forward(ctx, mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,  # type: ignore[override]
+                n_samples: int, k0: int, k1: int) -> tuple[Tensor, Tensor]:
+        lib = _NATIVE.get()
+        assert lib is not None
+        mu, sd = mu.detach().contiguous(), sd.detach().contiguous()
+        rows, width = mu.shape
+        eps = torch.empty((n_samples, rows, width), dtype=mu.dtype)
+        h = torch.empty_like(eps)
+        h2 = torch.empty_like(eps)
+        n = rows * width
+
+        def fwd(s0: int, s1: int) -> None:
+            lib.pgvi_relu_sample_fwd(mu.data_ptr(), sd.data_ptr(), n, s0, s1, k0, k1, eps.data_ptr(), h.data_ptr(),
+                                     h2.data_ptr())
+
+        run_chunks(fwd, n_samples)
+        hf, h2f = h.view(n_samples * rows, width), h2.view(n_samples * rows, width)
+        w_mean, w_var = w_mean.detach(), w_var.detach()
+        mu_next = torch.addmm(b_mean.detach(), hf, w_mean.t())
+        var_next = torch.addmm(b_var.detach(), h2f, w_var.t())
+        ctx.save_for_backward(h, h2, eps, w_mean, w_var)
+        ctx.set_materialize_grads(False)
+        return mu_next, var_next
+
+    @staticmethod
+    def backward(ctx, g_mu: Tensor | None, g_var: Tensor | None):  # type: ignore[override]
+        lib = _NATIVE.get()
+        assert lib is not None
+        h, h2, eps, w_mean, w_var = ctx.saved_tensors
+        n_samples, rows, width = h.shape
+        out = w_mean.shape[0]
+        if g_mu is None and g_var is None:
+            return (None,) * 9
+        g_mu = torch.zeros((n_samples * rows, out), dtype=h.dtype) if g_mu is None else g_mu.contiguous()
+        g_var = torch.zeros((n_samples * rows, out), dtype=h.dtype) if g_var is None else g_var.contiguous()
+        hf, h2f = h.view(n_samples * rows, width), h2.view(n_samples * rows, width)
+        need = ctx.needs_input_grad
+        d_wm = torch.mm(g_mu.t(), hf) if need[2] else None
+        d_bm = g_mu.sum(0) if need[3] else None
+        d_wv = torch.mm(g_var.t(), h2f) if need[4] else None
+        d_bv = g_var.sum(0) if need[5] else None
+        d_mu = d_sd = None
+        if need[0] or need[1]:
+            d_mu = torch.empty((rows, width), dtype=h.dtype)
+            d_sd = torch.empty_like(d_mu)
+            if out <= MAX_FOLDED_WIDTH:
+                wm, wv = w_mean.contiguous(), w_var.contiguous()
+
+                def bwd(r0: int, r1: int) -> None:
+                    lib.pgvi_relu_sample_bwd_linear(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(), wv.data_ptr(),
+                                                    out, h.data_ptr(), eps.data_ptr(), n_samples, rows, width, r0,
+                                                    r1, d_mu.data_ptr(), d_sd.data_ptr())
+            else:
+                gh = torch.mm(g_mu, w_mean)
+                gh2 = torch.mm(g_var, w_var)
+
+                def bwd(r0: int, r1: int) -> None:
+                    lib.pgvi_relu_sample_bwd(gh.data_ptr(), gh2.data_ptr(), h.data_ptr(), eps.data_ptr(), n_samples,
+                                             rows, width, r0, r1, d_mu.data_ptr(), d_sd.data_ptr())
+
+            run_chunks(bwd, rows)
+        return d_mu, d_sd, d_wm, d_bm, d_wv, d_bv, None, None, None
+
+
+def sample_relu_linear(
+    mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor, n_samples: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The next layer's pre-activation moments ``(h W_mu^T + b_mu, h^2 W_var^T + b_var)``, each of shape
+    ``(n_samples R, out)``, for ``h`` the output of :func:`sample_relu` (the same draws for the same
+    generator state); differentiable w.r.t. all six tensors.  Call only where :func:`applies_to` holds."""
+    _check(mu, sd, n_samples, "sample_relu_linear")
+    out = w_mean.shape[0] if w_mean.dim() == 2 else -1
+    if (w_mean.shape != (out, mu.shape[1]) or w_var.shape != w_mean.shape or b_mean.shape != (out,)
+            or b_var.shape != (out,)):
+        raise ValueError(f"sample_relu_linear: weights must be (out, {mu.shape[1]}) and biases (out,), got "
+                         f"{tuple(w_mean.shape)}, {tuple(b_mean.shape)}, {tuple(w_var.shape)}, {tuple(b_var.shape)}")
+    k0, k1 = _key(generator)
+    return _SampleReLULinear.apply(mu, sd, w_mean, b_mean, w_var, b_var, int(n_samples), k0, k1)
 
 
 def standard_normal(n: int, stream: int, key: int) -> Tensor:
@@ -231,4 +364,4 @@ def standard_normal(n: int, stream: int, key: int) -> Tensor:
     return out
 
 
-__all__ = ["applies_to", "available", "sample_relu", "standard_normal"]
+__all__ = ["MAX_FOLDED_WIDTH", "applies_to", "available", "sample_relu", "sample_relu_linear", "standard_normal"]

@@ -398,11 +398,10 @@ class BayesianMLP(LikelihoodModel):
         return CategoricalOutput(h)
 
     @staticmethod
-    def _moments(h: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,
-                 h_sq: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        # h is 2-D (N, in): two GEMMs with the bias fused in; h_sq = h * h when the caller has it
+    def _moments(h: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor) -> tuple[Tensor, Tensor]:
+        # h is 2-D (N, in): two GEMMs with the bias fused in
         mu = torch.addmm(b_mean, h, w_mean.t())
-        var = torch.addmm(b_var, h * h if h_sq is None else h_sq, w_var.t())
+        var = torch.addmm(b_var, h * h, w_var.t())
         return mu, var
 
     def preactivation_moments(
@@ -431,8 +430,9 @@ class BayesianMLP(LikelihoodModel):
         The first layer's moments are computed once on ``(B, in)`` (two GEMMs shared by all samples), and
         only its ``(S, B, out)`` pre-activations are sampled; later layers act on the flattened
         ``(S*B, h)`` activations.  Differentiable w.r.t. ``mean`` and ``variance``.  The noise of the hidden
-        layers comes from :func:`common.fused_sampling.sample_relu` (one fused pass for the draw, the ReLU and
-        the square; its key is drawn from ``generator``) when ``fused_sampling`` is on and it applies
+        layers comes from :func:`common.fused_sampling.sample_relu_linear` (one fused pass for the draw, the
+        ReLU and the square, then the next layer's GEMMs; its key is drawn from ``generator``) when
+        ``fused_sampling`` is on and it applies
         (float32 on the CPU, kernels built), otherwise from ``torch.randn(..., generator=generator)`` (one
         draw of ``(S, B, out)`` per layer, in layer order); the output layer's always from ``torch.randn``.
         Either way the same generator state gives the same output.  Variances must be > 0 where the gradient is
@@ -445,26 +445,28 @@ class BayesianMLP(LikelihoodModel):
         if x.dtype != dtype:
             x = x.to(dtype)
         b = x.shape[0]
-        h: Tensor = x
-        h_sq: Tensor | None = None
-        a: Tensor = x
         fused = self.use_fused_sampling and self.num_layers > 1 and fused_sampling.applies_to(w0)
-        for i in range(self.num_layers):
+
+        def params(i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             k = f"layers.{i}"
-            mu, var = self._moments(h, mean[f"{k}.weight"], mean[f"{k}.bias"], variance[f"{k}.weight"],
-                                    variance[f"{k}.bias"], h_sq)
+            return mean[f"{k}.weight"], mean[f"{k}.bias"], variance[f"{k}.weight"], variance[f"{k}.bias"]
+
+        # layer 0's moments on the B input rows, shared by all samples; later layers' on S*B rows
+        mu, var = self._moments(x, *params(0))
+        for i in range(self.num_layers - 1):  # hidden layers: sample, ReLU, next layer's moments
             out = mu.shape[-1]
-            if fused and i < self.num_layers - 1:  # one pass: draw, ReLU and square (common/fused_sampling.py)
-                h, h_sq, _ = fused_sampling.sample_relu(mu, var.sqrt(), s if i == 0 else 1, generator)
-                h, h_sq = h.view(s * b, out), h_sq.view(s * b, out)
+            rows_samples = s if i == 0 else 1  # (B, out) moments broadcast into (S, B, out); later (S*B, out)
+            if fused:  # one pass for the draw, the ReLU and the square (common/fused_sampling.py)
+                mu, var = fused_sampling.sample_relu_linear(mu, var.sqrt(), *params(i + 1), rows_samples, generator)
                 continue
-            if i == 0:  # moments (B, out) shared across samples; broadcast into (S, B, out)
-                eps = torch.randn((s, b, out), generator=generator, dtype=dtype, device=device)
-            else:  # moments (S*B, out)
-                eps = torch.randn((s * b, out), generator=generator, dtype=dtype, device=device)
-            a = torch.addcmul(mu, var.sqrt(), eps)
-            if i < self.num_layers - 1:
-                h = torch.relu_(a).view(s * b, out)
+            eps = torch.randn((rows_samples, mu.shape[0], out), generator=generator, dtype=dtype, device=device)
+            h = torch.relu_(torch.addcmul(mu, var.sqrt(), eps)).view(s * b, out)
+            mu, var = self._moments(h, *params(i + 1))
+        if self.num_layers == 1:
+            eps = torch.randn((s, b, self.num_classes), generator=generator, dtype=dtype, device=device)
+        else:
+            eps = torch.randn((s * b, self.num_classes), generator=generator, dtype=dtype, device=device)
+        a = torch.addcmul(mu, var.sqrt(), eps)
         return CategoricalOutput(a.view(s, b, self.num_classes))
 
     def predictive_probs(

@@ -204,3 +204,43 @@ def test_disabled_by_environment_and_refuses_a_shared_cache(tmp_path: Path) -> N
     res = _python(_PROBE, {"PGVI_KERNEL_CACHE": str(private)})
     assert res.returncode == 0 and "available True" in res.stdout, res.stderr
     assert len(list(private.glob("pgvi_sampling_*.so"))) == 1
+
+
+@pytest.mark.parametrize("out", [3, fs.MAX_FOLDED_WIDTH + 5])  # folded into the kernel / two torch GEMMs
+def test_sample_relu_linear_equals_sample_relu_then_the_next_layers_moments(out: int) -> None:
+    rows, width, s = 11, 40, 6
+    g = torch.Generator().manual_seed(7)
+    leaves = [torch.randn(rows, width, generator=g), torch.rand(rows, width, generator=g) + 0.1,
+              torch.randn(out, width, generator=g) * 0.3, torch.randn(out, generator=g),
+              torch.rand(out, width, generator=g) * 0.1, torch.rand(out, generator=g) * 0.1]
+    a = [t.clone().requires_grad_(True) for t in leaves]
+    b = [t.clone().requires_grad_(True) for t in leaves]
+    mu_next, var_next = fs.sample_relu_linear(*a, s, torch.Generator().manual_seed(3))
+    h, h2, _ = fs.sample_relu(b[0], b[1], s, torch.Generator().manual_seed(3))
+    ref_mu = torch.addmm(b[3], h.view(s * rows, width), b[2].t())
+    ref_var = torch.addmm(b[5], h2.view(s * rows, width), b[4].t())
+    assert torch.equal(mu_next, ref_mu) and torch.equal(var_next, ref_var)
+    w1 = torch.randn(ref_mu.shape, generator=g)
+    w2 = torch.randn(ref_var.shape, generator=g)
+    grads = torch.autograd.grad((w1 * mu_next).sum() + (w2 * var_next).sum(), a)
+    refs = torch.autograd.grad((w1 * ref_mu).sum() + (w2 * ref_var).sum(), b)
+    for got, want in zip(grads, refs):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_sample_relu_linear_gradient_of_one_output_only() -> None:
+    mu, sd = _inputs(6, 10)
+    mu.requires_grad_(True)
+    w = torch.randn(4, 10)
+    bias = torch.zeros(4)
+    wv = torch.rand(4, 10, requires_grad=True)
+    m_next, v_next = fs.sample_relu_linear(mu, sd, w, bias, wv, bias, 3, torch.Generator().manual_seed(0))
+    (g_mu,) = torch.autograd.grad(m_next.sum(), (mu,), retain_graph=True)
+    h, _, _ = fs.sample_relu(mu.detach(), sd, 3, torch.Generator().manual_seed(0))
+    want = ((h > 0).float() * w.sum(0)).sum(0)
+    assert torch.allclose(g_mu, want, atol=1e-5)
+    (g_wv,) = torch.autograd.grad(v_next.sum(), (wv,))
+    h2 = h.view(-1, 10) ** 2
+    assert torch.allclose(g_wv, h2.sum(0).expand(4, 10), rtol=1e-5)
+    with pytest.raises(ValueError, match="weights must be"):
+        fs.sample_relu_linear(mu, sd, w[:, :5], bias, wv, bias, 3)
