@@ -198,23 +198,29 @@ def _key(generator: torch.Generator | None) -> tuple[int, int]:
     return k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF
 
 
+def _draw(mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel: ``(h, h^2, eps)``, each ``(n_samples, R, H)``, split over threads by sample."""
+    lib = _NATIVE.get()
+    assert lib is not None
+    mu, sd = mu.detach().contiguous(), sd.detach().contiguous()
+    rows, width = mu.shape
+    eps = torch.empty((n_samples, rows, width), dtype=mu.dtype)
+    h = torch.empty_like(eps)
+    h2 = torch.empty_like(eps)
+    n = rows * width
+
+    def fwd(s0: int, s1: int) -> None:
+        lib.pgvi_relu_sample_fwd(mu.data_ptr(), sd.data_ptr(), n, s0, s1, k0, k1, eps.data_ptr(), h.data_ptr(),
+                                 h2.data_ptr())
+
+    run_chunks(fwd, n_samples)
+    return h, h2, eps
+
+
 class _SampleReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int):  # type: ignore[override]
-        lib = _NATIVE.get()
-        assert lib is not None
-        mu, sd = mu.detach().contiguous(), sd.detach().contiguous()
-        rows, width = mu.shape
-        eps = torch.empty((n_samples, rows, width), dtype=mu.dtype)
-        h = torch.empty_like(eps)
-        h2 = torch.empty_like(eps)
-        n = rows * width
-
-        def fwd(s0: int, s1: int) -> None:
-            lib.pgvi_relu_sample_fwd(mu.data_ptr(), sd.data_ptr(), n, s0, s1, k0, k1, eps.data_ptr(), h.data_ptr(),
-                                     h2.data_ptr())
-
-        run_chunks(fwd, n_samples)
+        h, h2, eps = _draw(mu, sd, n_samples, k0, k1)
         ctx.save_for_backward(h, eps)
         ctx.mark_non_differentiable(eps)
         ctx.set_materialize_grads(False)  # no (S, R, H) zero tensors for the outputs that get no gradient
@@ -274,20 +280,8 @@ class _SampleReLULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,  # type: ignore[override]
                 n_samples: int, k0: int, k1: int) -> tuple[Tensor, Tensor]:
-        lib = _NATIVE.get()
-        assert lib is not None
-        mu, sd = mu.detach().contiguous(), sd.detach().contiguous()
+        h, h2, eps = _draw(mu, sd, n_samples, k0, k1)
         rows, width = mu.shape
-        eps = torch.empty((n_samples, rows, width), dtype=mu.dtype)
-        h = torch.empty_like(eps)
-        h2 = torch.empty_like(eps)
-        n = rows * width
-
-        def fwd(s0: int, s1: int) -> None:
-            lib.pgvi_relu_sample_fwd(mu.data_ptr(), sd.data_ptr(), n, s0, s1, k0, k1, eps.data_ptr(), h.data_ptr(),
-                                     h2.data_ptr())
-
-        run_chunks(fwd, n_samples)
         hf, h2f = h.view(n_samples * rows, width), h2.view(n_samples * rows, width)
         w_mean, w_var = w_mean.detach(), w_var.detach()
         mu_next = torch.addmm(b_mean.detach(), hf, w_mean.t())
