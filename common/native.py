@@ -155,23 +155,24 @@ class NativeLibrary:
 
 _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_key = (0, 0)  # (size, pid): a forked child (e.g. a Ray worker) must not reuse its parent's pool
 
 
 def run_chunks(fn: Callable[[int, int], None], total: int) -> None:
     """Call ``fn(lo, hi)`` over a split of ``[0, total)`` into ``min(torch.get_num_threads(), total)`` parts,
     in parallel threads when there is more than one part."""
-    global _pool, _pool_size
+    global _pool, _pool_key
     k = max(1, min(torch.get_num_threads(), total))
     if k == 1:
         fn(0, total)
         return
     with _pool_lock:
-        if _pool is None or _pool_size != k:
-            if _pool is not None:
+        key = (k, os.getpid())
+        if _pool is None or _pool_key != key:
+            if _pool is not None and _pool_key[1] == key[1]:
                 _pool.shutdown(wait=False)
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=k, thread_name_prefix="pgvi-native")
-            _pool_size = k
+            _pool_key = key
         pool = _pool
     bounds = [total * i // k for i in range(k + 1)]
     for f in [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(k)]:

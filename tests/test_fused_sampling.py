@@ -244,3 +244,25 @@ def test_sample_relu_linear_gradient_of_one_output_only() -> None:
     assert torch.allclose(g_wv, h2.sum(0).expand(4, 10), rtol=1e-5)
     with pytest.raises(ValueError, match="weights must be"):
         fs.sample_relu_linear(mu, sd, w[:, :5], bias, wv, bias, 3)
+
+
+def test_threaded_kernels_work_in_a_forked_child() -> None:
+    """A forked process (Ray and multiprocessing workers) gets its own thread pool, not its parent's dead one."""
+    import multiprocessing as mp
+
+    mu, sd = _inputs(64, 100)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parent = fs.sample_relu(mu, sd, 4, torch.Generator().manual_seed(1))[0]  # creates the parent's pool
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as pool:
+            child = pool.apply_async(_child_sample, (mu, sd)).get(timeout=60)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(parent, child)
+
+
+def _child_sample(mu: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(2)
+    return fs.sample_relu(mu, sd, 4, torch.Generator().manual_seed(1))[0]
