@@ -77,7 +77,8 @@ class PGVIClient(NumPyClient):
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         q = self._factor(parameters).check_proper("posterior")
         cfg = self.problem.cfg
-        m = evaluate_posterior(self.problem, q, self.shard.x_test, self.shard.y_test, cfg.eval_samples, seed=cfg.seed)
+        m = evaluate_posterior(self.problem, q, self.shard.x_test, self.shard.y_test, cfg.eval_samples, seed=cfg.seed,
+                               bin_sums=True)
         return float(m.get("nll", 0.0)), int(m["num-examples"]), dict(m)
 
 

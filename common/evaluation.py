@@ -12,12 +12,15 @@ from common.problem import Problem
 
 
 def evaluate_posterior(
-    problem: Problem, q: GaussianFactor, x: np.ndarray, y: np.ndarray, n_samples: int, seed: int = 0
+    problem: Problem, q: GaussianFactor, x: np.ndarray, y: np.ndarray, n_samples: int, seed: int = 0,
+    bin_sums: bool = False,
 ) -> dict[str, float]:
     """Metrics of the averaged posterior predictive ``p(y|x) = E_q[p(y|theta, x)]``.
 
-    Classifiers: accuracy, NLL, ECE (15 bins), Brier.  Gaussian models: predictive NLL (MC mixture over
-    ``n_samples`` posterior draws) and RMSE of the predictive mean.
+    Classifiers: accuracy, NLL, ECE (15 bins), Brier; with ``bin_sums`` also the ECE's additive per-bin sums
+    (:func:`common.metrics.calibration_bin_sums`, keys :func:`common.metrics.bin_sum_key`), from which a server pools the
+    ECE of all clients' points exactly.  Gaussian models: predictive NLL (MC mixture over ``n_samples``
+    posterior draws) and RMSE of the predictive mean.
     """
     if len(y) == 0:
         return {"num-examples": 0.0}
@@ -29,6 +32,12 @@ def evaluate_posterior(
 
             log_probs = problem.model.predictive_log_probs(q, xt, n_samples, generator=gen).numpy()
             out = classification_metrics_from_log_probs(log_probs, np.asarray(y))  # exact NLL
+            if bin_sums:
+                from common.metrics import bin_sum_key, calibration_bin_sums
+
+                sums = calibration_bin_sums(np.exp(log_probs), np.asarray(y))
+                for what, arr in zip(("count", "conf", "correct"), sums):
+                    out.update({bin_sum_key(b, what): float(v) for b, v in enumerate(arr)})
         else:
             theta = q.rsample(n_samples, generator=gen)
             pred = problem.model.output(theta, xt)

@@ -25,10 +25,13 @@ __all__ = [
     "DEFAULT_NUM_BINS",
     "NLL_FLOOR",
     "accuracy",
+    "bin_sum_key",
     "binary_probs",
     "brier_score",
+    "calibration_bin_sums",
     "classification_metrics",
     "classification_metrics_from_log_probs",
+    "ece_from_bin_sums",
     "expected_calibration_error",
     "negative_log_likelihood",
     "negative_log_likelihood_from_log_probs",
@@ -105,6 +108,43 @@ def negative_log_likelihood_from_log_probs(log_probs: np.ndarray, y: np.ndarray)
     return float(np.mean(-lp[np.arange(lp.shape[0]), labels]))
 
 
+def _bin_sums(p: np.ndarray, labels: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    conf = p.max(axis=1)
+    correct = (np.argmax(p, axis=1) == labels).astype(np.float64)
+    # bin b holds (b/B, (b+1)/B]: index ceil(conf * B) - 1, clipped to [0, B-1]
+    idx = np.clip(np.ceil(conf * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
+    count = np.bincount(idx, minlength=num_bins).astype(np.float64)
+    return count, np.bincount(idx, weights=conf, minlength=num_bins), np.bincount(idx, weights=correct,
+                                                                                  minlength=num_bins)
+
+
+def calibration_bin_sums(probs: np.ndarray, y: np.ndarray,
+                         num_bins: int = DEFAULT_NUM_BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-bin ``(count, sum of confidences, number correct)``: additive over disjoint sets of points, so
+    the ECE of a union of data sets (e.g. every client's test split) is :func:`ece_from_bin_sums` of the
+    summed arrays, where the mean of the per-set ECEs is not the ECE of the union."""
+    p, labels = _check(probs, y)
+    if isinstance(num_bins, bool) or not isinstance(num_bins, (int, np.integer)) or num_bins < 1:
+        raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
+    return _bin_sums(p, labels, num_bins)
+
+
+def bin_sum_key(b: int, what: str) -> str:
+    """Metric name of bin ``b``'s ``what`` (``count``, ``conf`` or ``correct``) in a client's evaluate reply
+    (:func:`common.evaluation.evaluate_posterior` with ``bin_sums``)."""
+    return f"ece-bin-{b:02d}-{what}"
+
+
+def ece_from_bin_sums(count: np.ndarray, sum_conf: np.ndarray, sum_correct: np.ndarray) -> float:
+    """``sum_b |count_b sum|/N * |acc_b - conf_b|`` = ``sum_b |sum_correct_b - sum_conf_b| / N``."""
+    count, sum_conf, sum_correct = (np.asarray(a, dtype=np.float64) for a in (count, sum_conf, sum_correct))
+    if not (count.shape == sum_conf.shape == sum_correct.shape) or count.ndim != 1:
+        raise ValueError("count, sum_conf and sum_correct must be 1-D arrays of one length")
+    if np.any(count < 0) or not np.all(np.isfinite(count)) or count.sum() <= 0:
+        raise ValueError("bin counts must be finite, >= 0 and not all 0")
+    return float(np.sum(np.abs(sum_correct - sum_conf)) / count.sum())
+
+
 def reliability_bins(probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS) -> dict[str, np.ndarray]:
     """Per-bin counts, accuracy and mean confidence of the top label (the ingredients of the ECE).
 
@@ -114,27 +154,17 @@ def reliability_bins(probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_N
     p, labels = _check(probs, y)
     if isinstance(num_bins, bool) or not isinstance(num_bins, (int, np.integer)) or num_bins < 1:
         raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
-    conf = p.max(axis=1)
-    correct = (np.argmax(p, axis=1) == labels).astype(np.float64)
-    # bin b holds (b/B, (b+1)/B]: index ceil(conf * B) - 1, clipped to [0, B-1]
-    idx = np.clip(np.ceil(conf * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
-    count = np.bincount(idx, minlength=num_bins)
-    sum_correct = np.bincount(idx, weights=correct, minlength=num_bins)
-    sum_conf = np.bincount(idx, weights=conf, minlength=num_bins)
+    count, sum_conf, sum_correct = _bin_sums(p, labels, num_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
         acc = np.where(count > 0, sum_correct / count, np.nan)
         mean_conf = np.where(count > 0, sum_conf / count, np.nan)
     edges = np.arange(num_bins + 1) / num_bins
-    return {"lower": edges[:-1], "upper": edges[1:], "count": count, "accuracy": acc, "confidence": mean_conf}
+    return {"lower": edges[:-1], "upper": edges[1:], "count": count.astype(np.int64), "accuracy": acc, "confidence": mean_conf}
 
 
 def expected_calibration_error(probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS) -> float:
     """Top-label ECE with ``num_bins`` equal-width bins (default 15; see the module doc)."""
-    bins = reliability_bins(probs, y, num_bins)
-    count = bins["count"]
-    filled = count > 0
-    gaps = np.abs(bins["accuracy"][filled] - bins["confidence"][filled])
-    return float(np.sum(count[filled] / count.sum() * gaps))
+    return ece_from_bin_sums(*calibration_bin_sums(probs, y, num_bins))
 
 
 def brier_score(probs: np.ndarray, y: np.ndarray) -> float:

@@ -53,6 +53,7 @@ from common.aggregation import make_aggregator
 from common.errors import PGVIError
 from common.factors import PGVIServerState, UpdateRejected
 from common.families import GaussianFactor
+from common.metrics import bin_sum_key, ece_from_bin_sums
 from common.problem import Problem
 from strategies.checkpoint import load_checkpoint, save_checkpoint
 from strategies.codec import factor_to_record, record_to_factor
@@ -147,6 +148,28 @@ class RoundStats:
         return {k: float(v) for k, v in out.items()}
 
 
+_BIN_PREFIX = "ece-bin-"
+
+
+def _pool_client_metrics(totals: dict[str, float], n_total: float, bins: dict[str, float],
+                         all_binned: bool) -> dict[str, float]:
+    """Metrics of all clients' test points together: means over points are example-weighted means; the RMSE
+    is the root of the pooled mean square; the ECE comes from the summed per-bin sums when every client sent
+    them (the example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean."""
+    out = {f"client-{k}": v / n_total for k, v in totals.items()}
+    if "client-rmse" in out:
+        out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
+    if "ece" in totals and all_binned and bins:
+        n_bins = 1 + max(int(k[len(_BIN_PREFIX):len(_BIN_PREFIX) + 2]) for k in bins)
+        sums = [[bins.get(bin_sum_key(b, what), 0.0) for b in range(n_bins)] for what in ("count", "conf", "correct")]
+        try:
+            out["client-ece"] = ece_from_bin_sums(*sums)
+        except ValueError as err:  # inconsistent bins: keep the weighted mean
+            log(WARNING, "client ECE bins not pooled: %s", err)
+    out["client-num-examples"] = n_total
+    return out
+
+
 class PGVIStrategy(Strategy):
     """PGVI / FedGVI server.  ``start(grid)`` runs the configured schedule and returns a Flower ``Result``."""
 
@@ -212,7 +235,9 @@ class PGVIStrategy(Strategy):
         return [Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in self._known_nodes(grid)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {}  # sum over replies of num-examples x metric
+        bins: dict[str, float] = {}  # sum over replies of the ECE's per-bin sums
+        all_binned = True  # every reply with an ECE also sent its bin sums
         n_total = 0.0
         for msg in replies:
             if msg.has_error() or P.METRICS not in msg.content:
@@ -231,14 +256,19 @@ class PGVIStrategy(Strategy):
                         "number", server_round, msg.metadata.src_node_id)
                 continue
             n_total += n
+            binned = any(k.startswith(_BIN_PREFIX) for k in values)
+            if "ece" in values and not binned:
+                all_binned = False
             for k, v in values.items():
-                if v is not None:
-                    totals[k] = totals.get(k, 0.0) + n * v
+                if v is None:
+                    continue
+                if k.startswith(_BIN_PREFIX):
+                    bins[k] = bins.get(k, 0.0) + v
+                else:
+                    totals[k] = totals.get(k, 0.0) + n * (v * v if k == "rmse" else v)
         if n_total == 0:
             return None
-        out = {f"client-{k}": v / n_total for k, v in totals.items()}
-        out["client-num-examples"] = n_total
-        return MetricRecord(out)
+        return MetricRecord(_pool_client_metrics(totals, n_total, bins, all_binned))
 
     # =============================================================================================
     # running the schedules

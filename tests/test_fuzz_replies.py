@@ -781,6 +781,9 @@ BATCH_FAULTS = sorted(set(FAULTS) - {"duplicate"})  # duplicates arise from draw
 def test_batch_of_faulty_and_valid_replies(data):
     setup = data.draw(st.sampled_from(sorted(SETUPS)), label="setup")
     s = fresh(setup)
+    # exclusion off: the oracle below does not model it (a client with max-bad-replies bad replies in the batch
+    # would have its valid one refused too: tests/test_strategy_edge_cases.py checks that case)
+    s.cfg = s.cfg.model_copy(update={"max_bad_replies": 0})
     n = data.draw(st.integers(1, 6), label="batch size")
     replies, outcomes, cids = [], [], []
     for _ in range(n):
@@ -904,8 +907,8 @@ def chaos_reply(data: st.DataObject, s: PGVIStrategy) -> Message:
         for name in data.draw(st.lists(st.sampled_from(CHAINABLE), max_size=3), label="faults"):
             try:
                 FAULTS[name](case, content)
-            except (KeyError, IndexError, AttributeError, TypeError, ValueError):
-                pass  # an earlier fault removed what this one changes (e.g. the Delta record)
+            except Exception:  # noqa: BLE001 - the harness, not the server under test
+                pass  # an earlier fault removed or garbled what this one changes (e.g. the Delta's bytes)
     if data.draw(st.integers(0, 5), label="unknown node?") == 0:
         return from_node(case, unknown_node(case), content)
     return case.reply(content)

@@ -190,3 +190,29 @@ def test_nll_from_log_probs_is_exact_where_probabilities_underflow():
         classification_metrics(p, y, log_probs=lp[::-1])
     with pytest.raises(ValueError, match="sum to 1"):
         negative_log_likelihood_from_log_probs(lp - 1.0, y)
+
+
+def test_ece_of_a_union_comes_from_the_summed_bin_sums_not_the_mean_of_ecEs():
+    """Two clients, hand-computed: A has 2 points at confidence 0.9, both right (gap 0.1 in bin 13); B has 2
+    points at confidence 0.9, both wrong (gap 0.9).  Per client: ECE 0.1 and 0.9, mean 0.5.  Together: bin 13
+    holds 4 points, accuracy 0.5, confidence 0.9: ECE 0.4."""
+    from common.metrics import calibration_bin_sums, ece_from_bin_sums
+
+    p = np.array([[0.9, 0.1], [0.9, 0.1]])
+    ya, yb = np.array([0, 0]), np.array([1, 1])
+    ea, eb = expected_calibration_error(p, ya), expected_calibration_error(p, yb)
+    assert ea == pytest.approx(0.1) and eb == pytest.approx(0.9)
+    sums = [a + b for a, b in zip(calibration_bin_sums(p, ya), calibration_bin_sums(p, yb))]
+    assert ece_from_bin_sums(*sums) == pytest.approx(0.4)
+    assert ece_from_bin_sums(*sums) == pytest.approx(expected_calibration_error(np.vstack([p, p]),
+                                                                                np.concatenate([ya, yb])))
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(5), size=300)
+    y = rng.integers(0, 5, 300)
+    parts = [calibration_bin_sums(probs[i::3], y[i::3]) for i in range(3)]
+    pooled = ece_from_bin_sums(*(sum(part[j] for part in parts) for j in range(3)))
+    assert pooled == pytest.approx(expected_calibration_error(probs, y), abs=1e-12)
+    with pytest.raises(ValueError, match="not all 0"):
+        ece_from_bin_sums(np.zeros(15), np.zeros(15), np.zeros(15))
+    with pytest.raises(ValueError, match="one length"):
+        ece_from_bin_sums(np.ones(15), np.zeros(14), np.zeros(15))

@@ -281,3 +281,45 @@ def test_run_stops_instead_of_completing_when_every_node_is_gone(schedule):
 
     with pytest.raises(AllClientsFailed, match="no client is connected"):
         run({"schedule": schedule, "num-server-rounds": 4}, between_rounds=all_gone)
+
+
+class _EvalReply:
+    def __init__(self, metrics: dict, node: int) -> None:
+        self.content = {P.METRICS: MetricRecord(metrics)}
+        self.metadata = type("Meta", (), {"src_node_id": node})()
+
+    def has_error(self) -> bool:
+        return False
+
+
+def test_client_metrics_are_those_of_all_clients_points_together():
+    """Accuracy/NLL/Brier: example-weighted means; RMSE: root of the pooled mean square; ECE: from the summed
+    per-bin sums (the weighted mean of per-client ECEs is not the ECE of the union), falling back to that
+    mean when a client sent no bins."""
+    from common.metrics import bin_sum_key, calibration_bin_sums, expected_calibration_error
+
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    rng = np.random.default_rng(1)
+    probs = [rng.dirichlet(np.ones(4), size=n) for n in (30, 70)]
+    # client 0 over-confident (random labels), client 1 under-confident (always right): in a shared bin the
+    # gaps have opposite signs, so the ECE of the union is below the weighted mean of the two ECEs
+    ys = [rng.integers(0, 4, len(probs[0])), probs[1].argmax(1)]
+    replies = []
+    for node, (p, y) in enumerate(zip(probs, ys)):
+        m = {"num-examples": float(len(y)), "accuracy": float(np.mean(p.argmax(1) == y)),
+             "ece": expected_calibration_error(p, y), "rmse": 1.0 + node}
+        for what, arr in zip(("count", "conf", "correct"), calibration_bin_sums(p, y)):
+            m.update({bin_sum_key(b, what): float(v) for b, v in enumerate(arr)})
+        replies.append(_EvalReply(m, node))
+    out = dict(strategy.aggregate_evaluate(1, replies))
+    p_all, y_all = np.vstack(probs), np.concatenate(ys)
+    assert out["client-ece"] == pytest.approx(expected_calibration_error(p_all, y_all), abs=1e-12)
+    assert out["client-accuracy"] == pytest.approx(float(np.mean(p_all.argmax(1) == y_all)))
+    assert out["client-rmse"] == pytest.approx(math.sqrt((30 * 1.0 + 70 * 4.0) / 100))
+    assert out["client-num-examples"] == 100.0
+    assert not any(k.startswith("client-ece-bin") for k in out)
+    weighted = (30 * replies[0].content[P.METRICS]["ece"] + 70 * replies[1].content[P.METRICS]["ece"]) / 100
+    assert abs(out["client-ece"] - weighted) > 1e-3  # the two differ here
+    old_client = {k: v for k, v in dict(replies[1].content[P.METRICS]).items() if not k.startswith("ece-bin")}
+    mixed = dict(strategy.aggregate_evaluate(1, [replies[0], _EvalReply(old_client, 1)]))
+    assert mixed["client-ece"] == pytest.approx(weighted)
