@@ -246,23 +246,42 @@ def test_sample_relu_linear_gradient_of_one_output_only() -> None:
         fs.sample_relu_linear(mu, sd, w[:, :5], bias, wv, bias, 3)
 
 
+_FORK_PROBE = """
+import hashlib, os, sys, torch
+from common import fused_sampling as fs
+torch.set_num_threads(2)
+mu = torch.linspace(-1, 1, 64 * 100).reshape(64, 100)
+sd = torch.full((64, 100), 0.5)
+def digest():
+    h = fs.sample_relu(mu, sd, 4, torch.Generator().manual_seed(1))[0]
+    return hashlib.sha256(h.numpy().tobytes()).hexdigest()
+parent = digest()  # creates this process's thread pool
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, digest().encode())
+    os._exit(0)
+os.close(w)
+child = os.read(r, 100).decode()
+os.waitpid(pid, 0)
+print("same" if child == parent else f"differ {parent} {child}")
+"""
+
+
 def test_threaded_kernels_work_in_a_forked_child() -> None:
-    """A forked process (Ray and multiprocessing workers) gets its own thread pool, not its parent's dead one."""
-    import multiprocessing as mp
+    """A forked child (multiprocessing's default start on Linux) gets its own thread pool: with its parent's,
+    whose threads do not exist in the child, the first threaded kernel call hung.  Run in a fresh interpreter
+    with a timeout, so a hang fails the test instead of the suite."""
+    import signal
 
-    mu, sd = _inputs(64, 100)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:
-        parent = fs.sample_relu(mu, sd, 4, torch.Generator().manual_seed(1))[0]  # creates the parent's pool
-        ctx = mp.get_context("fork")
-        with ctx.Pool(1) as pool:
-            child = pool.apply_async(_child_sample, (mu, sd)).get(timeout=60)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(parent, child)
-
-
-def _child_sample(mu: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
-    torch.set_num_threads(2)
-    return fs.sample_relu(mu, sd, 4, torch.Generator().manual_seed(1))[0]
+        out, err = proc.communicate(timeout=120)
+    finally:  # the probe and a hung forked child, if any
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    assert proc.returncode == 0 and out.strip() == "same", (out, err)
