@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class RoundStats:
 
 
 _BIN_PREFIX = "ece-bin-"
+_BIN_KEY = re.compile(r"ece-bin-(\d{2})-(count|conf|correct)")  # common.metrics.bin_sum_key, at most 100 bins
 
 
 def _pool_client_metrics(totals: dict[str, float], n_total: float, bins: dict[str, float],
@@ -160,7 +162,7 @@ def _pool_client_metrics(totals: dict[str, float], n_total: float, bins: dict[st
     if "client-rmse" in out:
         out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
     if "ece" in totals and all_binned and bins:
-        n_bins = 1 + max(int(k[len(_BIN_PREFIX):len(_BIN_PREFIX) + 2]) for k in bins)
+        n_bins = 1 + max(int(m.group(1)) for m in map(_BIN_KEY.fullmatch, bins) if m)
         sums = [[bins.get(bin_sum_key(b, what), 0.0) for b in range(n_bins)] for what in ("count", "conf", "correct")]
         try:
             out["client-ece"] = ece_from_bin_sums(*sums)
@@ -254,6 +256,11 @@ class PGVIStrategy(Strategy):
                 if n is None:
                     log(WARNING, "round %d: evaluate reply from node %d skipped: 'num-examples' is not a finite "
                         "number", server_round, msg.metadata.src_node_id)
+                continue
+            bin_values = {k: v for k, v in values.items() if k.startswith(_BIN_PREFIX)}
+            if any(not _BIN_KEY.fullmatch(k) or v is None or v < 0 for k, v in bin_values.items()):
+                log(WARNING, "round %d: evaluate reply from node %d skipped: malformed ECE bin sums",
+                    server_round, msg.metadata.src_node_id)
                 continue
             n_total += n
             binned = any(k.startswith(_BIN_PREFIX) for k in values)

@@ -323,3 +323,14 @@ def test_client_metrics_are_those_of_all_clients_points_together():
     old_client = {k: v for k, v in dict(replies[1].content[P.METRICS]).items() if not k.startswith("ece-bin")}
     mixed = dict(strategy.aggregate_evaluate(1, [replies[0], _EvalReply(old_client, 1)]))
     assert mixed["client-ece"] == pytest.approx(weighted)
+
+
+def test_malformed_ece_bins_skip_the_reply_and_never_crash():
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    good = {"num-examples": 10.0, "accuracy": 0.5, "ece": 0.1, "ece-bin-13-count": 10.0, "ece-bin-13-conf": 9.0,
+            "ece-bin-13-correct": 8.0}
+    for bad in ({"ece-bin-xx-count": 1.0}, {"ece-bin-13-count": math.nan}, {"ece-bin-02-conf": -1.0},
+                {"ece-bin-1000-count": 1.0}):
+        out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply({**good, **bad}, 1)]))
+        assert out["client-num-examples"] == 10.0  # only the well-formed reply
+        assert out["client-ece"] == pytest.approx(0.1)  # |8 - 9| / 10
