@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,7 +29,10 @@ from common.native import NativeLibrary, run_chunks
 
 KINDS = {"kl": 0, "reverse_kl": 1, "alpha_renyi": 2}
 
+BLOCK = 4096  # elements per partial sum and per thread-chunk boundary (a multiple of every vector width)
+
 _C_SOURCE = r"""
+#define BLOCK 4096
 static inline float softplus_f(float x) {
     /* max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's log(u) * t / (u - 1) */
     float t = expf(-fabsf(x));
@@ -41,43 +45,48 @@ static inline float log1p_f(float x) {
     return d == 0.0f ? x : logf(u) * (x / d);
 }
 
-/* var[i] = (softplus(raw[i]) + min_scale)^2 for i in [lo, hi); returns sum_i f_i (the divergence's terms
-   without the factor c); *bad = number of Alpha-Renyi coordinates outside the domain */
-double pgvi_mf_forward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
-                       const float *restrict lp, int64_t lo, int64_t hi, int kind, double alpha, float min_scale,
-                       float *restrict var, int64_t *bad) {
-    double acc = 0.0;
+/* var[i] = (softplus(raw[i]) + min_scale)^2 for i in [lo, hi) (lo a multiple of BLOCK); partial[b] = sum of the
+   divergence's terms (without the factor c) over block b = [b BLOCK, (b + 1) BLOCK) in [lo, hi); returns the
+   number of Alpha-Renyi coordinates outside the domain.  Every block but the array's last is a whole number
+   of vectors, so the results do not depend on how [0, n) is split over threads. */
+int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
+                        const float *restrict lp, int64_t lo, int64_t hi, int kind, double alpha, float min_scale,
+                        float *restrict var, double *restrict partial) {
     int64_t nbad = 0;
     float c1 = (float)(1.0 - alpha), inv_aa = kind == 2 ? (float)(1.0 / (alpha * (alpha - 1.0))) : 0.0f;
-    /* one loop per kind: a branch inside the loop would keep it from vectorising */
-    if (kind == 0) {
-        #pragma omp simd reduction(+:acc)
-        for (int64_t i = lo; i < hi; i++) {
-            float s = softplus_f(raw[i]) + min_scale;
-            float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f;
-            var[i] = v;
-            acc += (double)(u - log1p_f(u) + l * d * d);
+    for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
+        int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
+        double acc = 0.0;
+        /* one loop per kind: a branch inside the loop would keep it from vectorising */
+        if (kind == 0) {
+            #pragma omp simd reduction(+:acc)
+            for (int64_t i = b0; i < b1; i++) {
+                float s = softplus_f(raw[i]) + min_scale;
+                float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f;
+                var[i] = v;
+                acc += (double)(u - log1p_f(u) + l * d * d);
+            }
+        } else if (kind == 1) {
+            #pragma omp simd reduction(+:acc)
+            for (int64_t i = b0; i < b1; i++) {
+                float s = softplus_f(raw[i]) + min_scale;
+                float v = s * s, l = lp[i], d = loc[i] - mp[i], w = 1.0f / (l * v) - 1.0f;
+                var[i] = v;
+                acc += (double)(w - log1p_f(w) + d * d / v);
+            }
+        } else {
+            #pragma omp simd reduction(+:acc, nbad)
+            for (int64_t i = b0; i < b1; i++) {
+                float s = softplus_f(raw[i]) + min_scale;
+                float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f, a = c1 * u;
+                var[i] = v;
+                nbad += (1.0f + a > 0.0f) ? 0 : 1;
+                acc += (double)(l * d * d / (1.0f + a) - (log1p_f(a) - c1 * log1p_f(u)) * inv_aa);
+            }
         }
-    } else if (kind == 1) {
-        #pragma omp simd reduction(+:acc)
-        for (int64_t i = lo; i < hi; i++) {
-            float s = softplus_f(raw[i]) + min_scale;
-            float v = s * s, l = lp[i], d = loc[i] - mp[i], w = 1.0f / (l * v) - 1.0f;
-            var[i] = v;
-            acc += (double)(w - log1p_f(w) + d * d / v);
-        }
-    } else {
-        #pragma omp simd reduction(+:acc, nbad)
-        for (int64_t i = lo; i < hi; i++) {
-            float s = softplus_f(raw[i]) + min_scale;
-            float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f, a = c1 * u;
-            var[i] = v;
-            nbad += (1.0f + a > 0.0f) ? 0 : 1;
-            acc += (double)(l * d * d / (1.0f + a) - (log1p_f(a) - c1 * log1p_f(u)) * inv_aa);
-        }
+        partial[b0 / BLOCK] = acc;
     }
-    *bad = nbad;
-    return acc;
+    return nbad;
 }
 
 /* gloc[i] = g_div dD/dm, graw[i] = (gvar[i] + g_div dD/dv) 2 sigma sigmoid(raw) for i in [lo, hi); gvar may be
@@ -119,9 +128,10 @@ def _self_check(lib: ctypes.CDLL) -> None:
     z = torch.zeros(64)
     lam = torch.ones(64)
     var = torch.empty(64)
-    bad = ctypes.c_int64(0)
-    total = lib.pgvi_mf_forward(z.data_ptr(), z.data_ptr(), z.data_ptr(), lam.data_ptr(), 0, 64, 0, 1.0, 0.0,
-                                var.data_ptr(), ctypes.byref(bad))
+    partial = torch.zeros(1, dtype=torch.float64)
+    lib.pgvi_mf_forward(z.data_ptr(), z.data_ptr(), z.data_ptr(), lam.data_ptr(), 0, 64, 0, 1.0, 0.0, var.data_ptr(),
+                        partial.data_ptr())
+    total = float(partial[0])
     v = 0.6931471805599453**2
     want = 64 * (v - 1.0 - torch.log(torch.tensor(v, dtype=torch.float64)).item())
     if not (abs(total - want) < 1e-5 * abs(want) and abs(float(var[0]) - v) < 1e-6):
@@ -132,7 +142,7 @@ _NATIVE = NativeLibrary(
     "meanfield",
     _C_SOURCE,
     {
-        "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, ctypes.POINTER(_I64)], _F64),
+        "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP], _I64),
         "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _F32, _VP, _VP], None),
     },
     _self_check,
@@ -156,18 +166,18 @@ class _VarianceAndDivergence(torch.autograd.Function):
         loc, raw = loc.detach().contiguous(), raw.detach().contiguous()
         n = loc.numel()
         var = torch.empty_like(loc)
-        parts: list[tuple[float, int]] = []
-        lock_free = parts.append  # list.append is atomic under the GIL
+        partial = np.zeros(-(-n // BLOCK), dtype=np.float64)
+        bad = np.zeros(-(-n // BLOCK), dtype=np.int64)  # per chunk, indexed by the chunk's first block
 
         def fwd(lo: int, hi: int) -> None:
-            bad = ctypes.c_int64(0)
-            s = lib.pgvi_mf_forward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(), lo, hi, kind,
-                                    alpha, min_scale, var.data_ptr(), ctypes.byref(bad))
-            lock_free((s, int(bad.value)))
+            bad[lo // BLOCK] = lib.pgvi_mf_forward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(),
+                                                   lo, hi, kind, alpha, min_scale, var.data_ptr(),
+                                                   partial.ctypes.data)
 
-        run_chunks(fwd, n)
-        total = sum(p[0] for p in parts)
-        n_bad = sum(p[1] for p in parts)
+        if n:
+            run_chunks(fwd, n, align=BLOCK)
+        total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
+        n_bad = int(bad.sum())
         ctx.save_for_backward(loc, raw, mean_p, lam_p)
         ctx.kind, ctx.alpha, ctx.c, ctx.min_scale = kind, alpha, c, min_scale
         ctx.set_materialize_grads(False)
@@ -191,7 +201,7 @@ class _VarianceAndDivergence(torch.autograd.Function):
                                  None if gv is None else gv.data_ptr(), g_div, lo, hi, ctx.kind, ctx.alpha,
                                  ctx.min_scale, g_loc.data_ptr(), g_raw.data_ptr())
 
-        run_chunks(bwd, loc.numel())
+        run_chunks(bwd, loc.numel(), align=BLOCK)
         return g_loc, g_raw, None, None, None, None, None, None
 
 

@@ -11,8 +11,8 @@ counter-based generator that vectorises:
 
 * ``eps`` number ``i`` of sample ``s`` is lane ``i mod 4`` of Philox4x32-10 (Salmon et al., SC 2011; the
   generator of JAX and of torch's CUDA backend) at counter ``(i div 4, s, 0, 0)`` under a 64-bit key,
-  turned into normals by the Box-Muller transform on 24-bit uniforms (so ``|eps| <= 5.9``: the mass beyond is
-  ``4e-9``);
+  turned into normals by the Box-Muller transform (radius from a 23-bit uniform in ``[2^-24, 1 - 2^-24]``,
+  angle from a 24-bit one), so ``|eps| <= sqrt(2 log 2^24) = 5.77``: the mass beyond is ``8e-9``;
 * the key is drawn from the caller's ``torch.Generator`` (one draw per call), so a seeded generator gives
   the same samples whatever the number of threads.
 
@@ -36,6 +36,7 @@ _C_SOURCE = r"""
 #define NB 256 /* Philox blocks (4 normals each) per tile */
 #define TWO_PI 6.283185307179586f
 #define U24 5.9604644775390625e-08f /* 2^-24 */
+#define U23 1.1920928955078125e-07f /* 2^-23 */
 
 /* z[0 .. 4 NB): the normals of Philox blocks b0 .. b0+NB-1 of stream s under key (k0, k1).  Always a whole
    tile: the vector loops then have no scalar remainder, whose libm results could differ from libmvec's in
@@ -53,9 +54,10 @@ static void philox_normals(float *restrict z, uint32_t b0, uint32_t s, uint32_t 
             x0 = y0; x1 = y1; x2 = y2; x3 = y3;
             kk0 += 0x9E3779B9u; kk1 += 0xBB67AE85u;
         }
-        ra[b] = ((float)(x0 >> 8) + 0.5f) * U24; /* in (0, 1): log is finite */
+        /* (k + 1/2) 2^-23 for a 23-bit k: exact in float, in [2^-24, 1 - 2^-24], so log < 0 is finite */
+        ra[b] = ((float)(x0 >> 9) + 0.5f) * U23;
         ta[b] = (float)(x1 >> 8) * U24 * TWO_PI;
-        rb[b] = ((float)(x2 >> 8) + 0.5f) * U24;
+        rb[b] = ((float)(x2 >> 9) + 0.5f) * U23;
         tb[b] = (float)(x3 >> 8) * U24 * TWO_PI;
     }
     #pragma omp simd
@@ -126,11 +128,12 @@ void pgvi_relu_sample_bwd(const float *restrict gh, const float *restrict gh2, c
 /* The same as pgvi_relu_sample_bwd, with the gradients w.r.t. h and h^2 formed here from the next layer's
    moment gradients gm, gv ((S R) x C) and weights wm, wv (C x H): g_h = gm wm, g_h2 = gv wv (for a narrow next
    layer this saves writing and re-reading two (S R) x H matrices) */
-void pgvi_relu_sample_bwd_linear(const float *restrict gm, const float *restrict gv, const float *restrict wm,
+int pgvi_relu_sample_bwd_linear(const float *restrict gm, const float *restrict gv, const float *restrict wm,
                                  const float *restrict wv, int64_t C, const float *restrict h,
                                  const float *restrict eps, int64_t S, int64_t n_rows, int64_t H, int64_t r0,
                                  int64_t r1, float *restrict dmu, float *restrict dsd) {
-    float *g1 = (float *)malloc(sizeof(float) * H), *g2 = (float *)malloc(sizeof(float) * H);
+    float *g1 = (float *)malloc(sizeof(float) * (H > 0 ? H : 1)), *g2 = (float *)malloc(sizeof(float) * (H > 0 ? H : 1));
+    if (!g1 || !g2) { free(g1); free(g2); return 1; }
     memset(dmu + r0 * H, 0, sizeof(float) * (r1 - r0) * H);
     memset(dsd + r0 * H, 0, sizeof(float) * (r1 - r0) * H);
     for (int64_t s = 0; s < S; s++) {
@@ -156,6 +159,7 @@ void pgvi_relu_sample_bwd_linear(const float *restrict gm, const float *restrict
     }
     free(g1);
     free(g2);
+    return 0;
 }
 """
 
@@ -177,7 +181,7 @@ _NATIVE = NativeLibrary(
         "pgvi_relu_sample_fwd": ([_VP, _VP, _I64, _I64, _I64, _U32, _U32, _VP, _VP, _VP], None),
         "pgvi_relu_sample_bwd": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP], None),
         "pgvi_relu_sample_bwd_linear": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP],
-                                        None),
+                                        ctypes.c_int),
     },
     _self_check,
 )
@@ -315,9 +319,10 @@ class _SampleReLULinear(torch.autograd.Function):
                 wm, wv = w_mean.contiguous(), w_var.contiguous()
 
                 def bwd(r0: int, r1: int) -> None:
-                    lib.pgvi_relu_sample_bwd_linear(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(), wv.data_ptr(),
-                                                    out, h.data_ptr(), eps.data_ptr(), n_samples, rows, width, r0,
-                                                    r1, d_mu.data_ptr(), d_sd.data_ptr())
+                    if lib.pgvi_relu_sample_bwd_linear(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(),
+                                                       wv.data_ptr(), out, h.data_ptr(), eps.data_ptr(), n_samples,
+                                                       rows, width, r0, r1, d_mu.data_ptr(), d_sd.data_ptr()):
+                        raise MemoryError("fused sampling backward: out of memory")
             else:
                 gh = torch.mm(g_mu, w_mean)
                 gh2 = torch.mm(g_var, w_var)

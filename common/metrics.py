@@ -140,8 +140,14 @@ def ece_from_bin_sums(count: np.ndarray, sum_conf: np.ndarray, sum_correct: np.n
     count, sum_conf, sum_correct = (np.asarray(a, dtype=np.float64) for a in (count, sum_conf, sum_correct))
     if not (count.shape == sum_conf.shape == sum_correct.shape) or count.ndim != 1:
         raise ValueError("count, sum_conf and sum_correct must be 1-D arrays of one length")
-    if np.any(count < 0) or not np.all(np.isfinite(count)) or count.sum() <= 0:
-        raise ValueError("bin counts must be finite, >= 0 and not all 0")
+    if not (np.all(np.isfinite(count)) and np.all(np.isfinite(sum_conf)) and np.all(np.isfinite(sum_correct))):
+        raise ValueError("bin sums must be finite")
+    if np.any(count < 0) or count.sum() <= 0:
+        raise ValueError("bin counts must be >= 0 and not all 0")
+    tol = 1e-9 * max(1.0, float(count.sum()))
+    if np.any(sum_conf < 0) or np.any(sum_correct < 0) or np.any(sum_conf > count + tol) or np.any(
+            sum_correct > count + tol):
+        raise ValueError("each bin needs 0 <= sum_conf, sum_correct <= count")
     return float(np.sum(np.abs(sum_correct - sum_conf)) / count.sum())
 
 

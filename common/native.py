@@ -158,23 +158,26 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_key = (0, 0)  # (size, pid): a forked child (e.g. a Ray worker) must not reuse its parent's pool
 
 
-def run_chunks(fn: Callable[[int, int], None], total: int) -> None:
-    """Call ``fn(lo, hi)`` over a split of ``[0, total)`` into ``min(torch.get_num_threads(), total)`` parts,
-    in parallel threads when there is more than one part."""
+def run_chunks(fn: Callable[[int, int], None], total: int, align: int = 1) -> None:
+    """Call ``fn(lo, hi)`` over a split of ``[0, total)`` into at most ``torch.get_num_threads()`` parts whose
+    inner boundaries are multiples of ``align``, in parallel threads when there is more than one part.
+
+    The pool is keyed by the thread count and the process id only (a forked child builds its own), and an
+    old pool is left to the garbage collector rather than shut down under a concurrent caller."""
     global _pool, _pool_key
-    k = max(1, min(torch.get_num_threads(), total))
+    threads = torch.get_num_threads()
+    blocks = -(-total // align)  # ceil
+    k = max(1, min(threads, blocks))
     if k == 1:
         fn(0, total)
         return
     with _pool_lock:
-        key = (k, os.getpid())
+        key = (threads, os.getpid())
         if _pool is None or _pool_key != key:
-            if _pool is not None and _pool_key[1] == key[1]:
-                _pool.shutdown(wait=False)
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=k, thread_name_prefix="pgvi-native")
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pgvi-native")
             _pool_key = key
         pool = _pool
-    bounds = [total * i // k for i in range(k + 1)]
+    bounds = [min(total, (blocks * i // k) * align) for i in range(k)] + [total]
     for f in [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(k)]:
         f.result()
 

@@ -150,7 +150,25 @@ class RoundStats:
 
 
 _BIN_PREFIX = "ece-bin-"
-_BIN_KEY = re.compile(r"ece-bin-(\d{2})-(count|conf|correct)")  # common.metrics.bin_sum_key, at most 100 bins
+_BIN_KEY = re.compile(r"ece-bin-([0-9]{2})-(count|conf|correct)")  # common.metrics.bin_sum_key, <= 100 bins
+
+
+def _bin_sums_consistent(bin_values: dict[str, float | None], n: float) -> bool:
+    """One reply's ECE bin sums: well-formed keys, all three sums of every bin it names, finite, with
+    ``0 <= conf, correct <= count`` and the counts adding up to the reply's ``num-examples``."""
+    per_bin: dict[str, dict[str, float]] = {}
+    for k, v in bin_values.items():
+        m = _BIN_KEY.fullmatch(k)
+        if m is None or v is None or not v >= 0:
+            return False
+        per_bin.setdefault(m.group(1), {})[m.group(2)] = v
+    if not per_bin:
+        return True
+    tol = 1e-6 * max(1.0, n)
+    for sums in per_bin.values():
+        if len(sums) != 3 or sums["conf"] > sums["count"] + tol or sums["correct"] > sums["count"] + tol:
+            return False
+    return abs(sum(b["count"] for b in per_bin.values()) - n) <= tol
 
 
 def _pool_client_metrics(totals: dict[str, float], n_total: float, bins: dict[str, float],
@@ -258,9 +276,9 @@ class PGVIStrategy(Strategy):
                         "number", server_round, msg.metadata.src_node_id)
                 continue
             bin_values = {k: v for k, v in values.items() if k.startswith(_BIN_PREFIX)}
-            if any(not _BIN_KEY.fullmatch(k) or v is None or v < 0 for k, v in bin_values.items()):
-                log(WARNING, "round %d: evaluate reply from node %d skipped: malformed ECE bin sums",
-                    server_round, msg.metadata.src_node_id)
+            if not _bin_sums_consistent(bin_values, n):
+                log(WARNING, "round %d: evaluate reply from node %d skipped: malformed or inconsistent ECE bin "
+                    "sums", server_round, msg.metadata.src_node_id)
                 continue
             n_total += n
             binned = any(k.startswith(_BIN_PREFIX) for k in values)

@@ -216,3 +216,15 @@ def test_ece_of_a_union_comes_from_the_summed_bin_sums_not_the_mean_of_ecEs():
         ece_from_bin_sums(np.zeros(15), np.zeros(15), np.zeros(15))
     with pytest.raises(ValueError, match="one length"):
         ece_from_bin_sums(np.ones(15), np.zeros(14), np.zeros(15))
+
+
+def test_ece_from_bin_sums_refuses_impossible_bins():
+    from common.metrics import ece_from_bin_sums
+
+    with pytest.raises(ValueError, match="finite"):
+        ece_from_bin_sums(np.array([2.0]), np.array([np.inf]), np.array([1.0]))
+    with pytest.raises(ValueError, match="<= count"):
+        ece_from_bin_sums(np.array([2.0]), np.array([5.0]), np.array([1.0]))
+    with pytest.raises(ValueError, match="<= count"):
+        ece_from_bin_sums(np.array([2.0]), np.array([1.0]), np.array([-1.0]))
+    assert ece_from_bin_sums(np.array([2.0, 0.0]), np.array([1.8, 0.0]), np.array([1.0, 0.0])) == pytest.approx(0.4)

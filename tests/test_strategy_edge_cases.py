@@ -334,3 +334,21 @@ def test_malformed_ece_bins_skip_the_reply_and_never_crash():
         out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply({**good, **bad}, 1)]))
         assert out["client-num-examples"] == 10.0  # only the well-formed reply
         assert out["client-ece"] == pytest.approx(0.1)  # |8 - 9| / 10
+
+
+def test_inconsistent_ece_bins_skip_the_reply():
+    """Bins that no set of points could produce (a review found these pooled into ECE inf, 0 or 50)."""
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    good = {"num-examples": 10.0, "accuracy": 0.5, "ece": 0.1, "ece-bin-13-count": 10.0, "ece-bin-13-conf": 9.0,
+            "ece-bin-13-correct": 8.0}
+    for bad in ({"ece-bin-13-conf": 1e308}, {"ece-bin-13-conf": 50.0},  # conf > count
+                {"ece-bin-13-count": 10.0, "ece-bin-13-conf": 9.0, "ece-bin-13-correct": 8.0, "ece-bin-99-count": 1.0},
+                {"ece-bin-\u0661\u0662-count": 1.0},  # non-ASCII digits
+                {"ece-bin-13-count": 12.0, "ece-bin-13-conf": 9.0, "ece-bin-13-correct": 8.0}):  # counts != n
+        reply = {**good, **bad}
+        out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply(reply, 1)]))
+        assert out["client-num-examples"] == 10.0, bad
+        assert out["client-ece"] == pytest.approx(0.1), bad
+    counts_only = {k: v for k, v in good.items() if not k.endswith(("-conf", "-correct"))}
+    out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply(counts_only, 1)]))
+    assert out["client-num-examples"] == 10.0
