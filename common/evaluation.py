@@ -31,13 +31,7 @@ def evaluate_posterior(
             from common.metrics import classification_metrics_from_log_probs
 
             log_probs = problem.model.predictive_log_probs(q, xt, n_samples, generator=gen).numpy()
-            out = classification_metrics_from_log_probs(log_probs, np.asarray(y))  # exact NLL
-            if bin_sums:
-                from common.metrics import bin_sum_key, calibration_bin_sums
-
-                sums = calibration_bin_sums(np.exp(log_probs), np.asarray(y))
-                for what, arr in zip(("count", "conf", "correct"), sums):
-                    out.update({bin_sum_key(b, what): float(v) for b, v in enumerate(arr)})
+            out = classification_metrics_from_log_probs(log_probs, np.asarray(y), bin_sums=bin_sums)  # exact NLL
         else:
             theta = q.rsample(n_samples, generator=gen)
             pred = problem.model.output(theta, xt)

@@ -197,9 +197,13 @@ def applies_to(mu: Tensor) -> bool:
     return mu.dtype == torch.float32 and mu.device.type == "cpu" and available()
 
 
+def _split_key(key: int) -> tuple[int, int]:
+    """The kernel's two 32-bit key words of a 64-bit key."""
+    return key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+
+
 def _key(generator: torch.Generator | None) -> tuple[int, int]:
-    k = int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64))
-    return k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF
+    return _split_key(int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64)))
 
 
 def _draw(mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -221,6 +225,23 @@ def _draw(mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int) -> tuple[Ten
     return h, h2, eps
 
 
+def _grads_from_h(h: Tensor, eps: Tensor, gh: Tensor, gh2: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The backward kernel given the gradients w.r.t. ``h`` and (optionally) ``h^2``: ``(d/dmu, d/dsd)``, each
+    ``(R, H)``, split over threads by row."""
+    lib = _NATIVE.get()
+    assert lib is not None
+    n_samples, rows, width = h.shape
+    dmu = torch.empty((rows, width), dtype=h.dtype)
+    dsd = torch.empty_like(dmu)
+
+    def bwd(r0: int, r1: int) -> None:
+        lib.pgvi_relu_sample_bwd(gh.data_ptr(), None if gh2 is None else gh2.data_ptr(), h.data_ptr(),
+                                 eps.data_ptr(), n_samples, rows, width, r0, r1, dmu.data_ptr(), dsd.data_ptr())
+
+    run_chunks(bwd, rows)
+    return dmu, dsd
+
+
 class _SampleReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int):  # type: ignore[override]
@@ -232,22 +253,12 @@ class _SampleReLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h: Tensor | None, grad_h2: Tensor | None, _grad_eps: Tensor | None):  # type: ignore[override]
-        lib = _NATIVE.get()
-        assert lib is not None
         h, eps = ctx.saved_tensors
-        n_samples, rows, width = h.shape
         if grad_h is None and grad_h2 is None:
             return None, None, None, None, None
         gh = torch.zeros_like(h) if grad_h is None else grad_h.contiguous()
         gh2 = None if grad_h2 is None else grad_h2.contiguous()
-        dmu = torch.empty((rows, width), dtype=h.dtype)
-        dsd = torch.empty_like(dmu)
-
-        def bwd(r0: int, r1: int) -> None:
-            lib.pgvi_relu_sample_bwd(gh.data_ptr(), None if gh2 is None else gh2.data_ptr(), h.data_ptr(),
-                                     eps.data_ptr(), n_samples, rows, width, r0, r1, dmu.data_ptr(), dsd.data_ptr())
-
-        run_chunks(bwd, rows)
+        dmu, dsd = _grads_from_h(h, eps, gh, gh2)
         return dmu, dsd, None, None, None
 
 
@@ -312,24 +323,18 @@ class _SampleReLULinear(torch.autograd.Function):
         d_wv = torch.mm(g_var.t(), h2f) if need[4] else None
         d_bv = g_var.sum(0) if need[5] else None
         d_mu = d_sd = None
-        if need[0] or need[1]:
+        if (need[0] or need[1]) and out > MAX_FOLDED_WIDTH:  # wide next layer: d/dh, d/dh^2 by torch GEMMs
+            d_mu, d_sd = _grads_from_h(h, eps, torch.mm(g_mu, w_mean), torch.mm(g_var, w_var))
+        elif need[0] or need[1]:
             d_mu = torch.empty((rows, width), dtype=h.dtype)
             d_sd = torch.empty_like(d_mu)
-            if out <= MAX_FOLDED_WIDTH:
-                wm, wv = w_mean.contiguous(), w_var.contiguous()
+            wm, wv = w_mean.contiguous(), w_var.contiguous()
 
-                def bwd(r0: int, r1: int) -> None:
-                    if lib.pgvi_relu_sample_bwd_linear(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(),
-                                                       wv.data_ptr(), out, h.data_ptr(), eps.data_ptr(), n_samples,
-                                                       rows, width, r0, r1, d_mu.data_ptr(), d_sd.data_ptr()):
-                        raise MemoryError("fused sampling backward: out of memory")
-            else:
-                gh = torch.mm(g_mu, w_mean)
-                gh2 = torch.mm(g_var, w_var)
-
-                def bwd(r0: int, r1: int) -> None:
-                    lib.pgvi_relu_sample_bwd(gh.data_ptr(), gh2.data_ptr(), h.data_ptr(), eps.data_ptr(), n_samples,
-                                             rows, width, r0, r1, d_mu.data_ptr(), d_sd.data_ptr())
+            def bwd(r0: int, r1: int) -> None:
+                if lib.pgvi_relu_sample_bwd_linear(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(), wv.data_ptr(),
+                                                   out, h.data_ptr(), eps.data_ptr(), n_samples, rows, width, r0, r1,
+                                                   d_mu.data_ptr(), d_sd.data_ptr()):
+                    raise MemoryError("fused sampling backward: out of memory")
 
             run_chunks(bwd, rows)
         return d_mu, d_sd, d_wm, d_bm, d_wv, d_bv, None, None, None
@@ -359,7 +364,7 @@ def standard_normal(n: int, stream: int, key: int) -> Tensor:
     if lib is None:
         raise RuntimeError("fused sampling kernels are not available")
     out = torch.empty(n, dtype=torch.float32)
-    lib.pgvi_normals(out.data_ptr(), n, stream, key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF)
+    lib.pgvi_normals(out.data_ptr(), n, stream, *_split_key(key))
     return out
 
 

@@ -205,9 +205,15 @@ def classification_metrics(
 
 
 def classification_metrics_from_log_probs(
-    log_probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS
+    log_probs: np.ndarray, y: np.ndarray, num_bins: int = DEFAULT_NUM_BINS, bin_sums: bool = False
 ) -> dict[str, float | int]:
     """:func:`classification_metrics` of a predictive given by its log-probabilities ``(N, C)``: the NLL is
-    exact, the other metrics use ``exp(log_probs)``."""
+    exact, the other metrics use ``exp(log_probs)``.  With ``bin_sums`` also the ECE's per-bin sums
+    (:func:`calibration_bin_sums`) under the keys :func:`bin_sum_key`, from the same probabilities."""
     lp = np.asarray(log_probs, dtype=np.float64)
-    return classification_metrics(np.exp(lp), y, num_bins, log_probs=lp)
+    p = np.exp(lp)
+    out = classification_metrics(p, y, num_bins, log_probs=lp)
+    if bin_sums:
+        for what, arr in zip(("count", "conf", "correct"), calibration_bin_sums(p, y, num_bins)):
+            out.update({bin_sum_key(b, what): float(v) for b, v in enumerate(arr)})
+    return out

@@ -451,21 +451,22 @@ class BayesianMLP(LikelihoodModel):
             k = f"layers.{i}"
             return mean[f"{k}.weight"], mean[f"{k}.bias"], variance[f"{k}.weight"], variance[f"{k}.bias"]
 
+        def draws(i: int) -> int:  # layer 0's (B, out) moments broadcast into (S, B, out); later (S*B, out)
+            return s if i == 0 else 1
+
         # layer 0's moments on the B input rows, shared by all samples; later layers' on S*B rows
         mu, var = self._moments(x, *params(0))
         for i in range(self.num_layers - 1):  # hidden layers: sample, ReLU, next layer's moments
             out = mu.shape[-1]
-            rows_samples = s if i == 0 else 1  # (B, out) moments broadcast into (S, B, out); later (S*B, out)
             if fused:  # one pass for the draw, the ReLU and the square (common/fused_sampling.py)
-                mu, var = fused_sampling.sample_relu_linear(mu, var.sqrt(), *params(i + 1), rows_samples, generator)
+                mu, var = fused_sampling.sample_relu_linear(mu, var.sqrt(), *params(i + 1), draws(i), generator)
                 continue
-            eps = torch.randn((rows_samples, mu.shape[0], out), generator=generator, dtype=dtype, device=device)
+            eps = torch.randn((draws(i), mu.shape[0], out), generator=generator, dtype=dtype, device=device)
             h = torch.relu_(torch.addcmul(mu, var.sqrt(), eps)).view(s * b, out)
             mu, var = self._moments(h, *params(i + 1))
-        if self.num_layers == 1:
-            eps = torch.randn((s, b, self.num_classes), generator=generator, dtype=dtype, device=device)
-        else:
-            eps = torch.randn((s * b, self.num_classes), generator=generator, dtype=dtype, device=device)
+        last = self.num_layers - 1
+        eps = torch.randn((draws(last), mu.shape[0], self.num_classes), generator=generator, dtype=dtype,
+                          device=device)
         a = torch.addcmul(mu, var.sqrt(), eps)
         return CategoricalOutput(a.view(s, b, self.num_classes))
 

@@ -290,8 +290,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim",
                     help="output dir; holds FLWR_HOME, so one simulation at a time per --out")
     args = ap.parse_args()
-    # a SIGTERM must still run run_simulation's cleanup (Flower leaves its SuperLink running detached)
-    signal.signal(signal.SIGTERM, _interrupt)
     with open(ROOT / "pyproject.toml", "rb") as f:
         run_config = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
     for item in args.config:
@@ -302,11 +300,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "flwr-run.log"
     print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)
+    # a SIGTERM must still run run_simulation's cleanup (Flower leaves its SuperLink running detached); the
+    # handler is restored afterwards (the tests call main() inside the pytest process)
+    old_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
         res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path)
     except RuntimeError as err:
         print(f"simulate.py: error: {err}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
     if not res["run_id"]:
         print(f"simulate.py: no run was started: {res['status-details']} (log {log_path})", file=sys.stderr)
         sys.exit(1)

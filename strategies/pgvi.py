@@ -281,15 +281,12 @@ class PGVIStrategy(Strategy):
                     "sums", server_round, msg.metadata.src_node_id)
                 continue
             n_total += n
-            binned = any(k.startswith(_BIN_PREFIX) for k in values)
-            if "ece" in values and not binned:
+            if "ece" in values and not bin_values:
                 all_binned = False
+            for k, v in bin_values.items():  # all finite (checked above)
+                bins[k] = bins.get(k, 0.0) + v
             for k, v in values.items():
-                if v is None:
-                    continue
-                if k.startswith(_BIN_PREFIX):
-                    bins[k] = bins.get(k, 0.0) + v
-                else:
+                if v is not None and k not in bin_values:
                     totals[k] = totals.get(k, 0.0) + n * (v * v if k == "rmse" else v)
         if n_total == 0:
             return None
