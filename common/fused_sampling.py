@@ -31,7 +31,8 @@ from torch import Tensor
 
 from common.native import NativeLibrary, run_chunks
 
-_C_SOURCE = r"""
+#: The generator: ``philox_normals`` and its constants (shared with :mod:`common.fused_head`).
+PHILOX_SOURCE = r"""
 #include <stdlib.h>
 #define NB 256 /* Philox blocks (4 normals each) per tile */
 #define TWO_PI 6.283185307179586f
@@ -68,6 +69,9 @@ static void philox_normals(float *restrict z, uint32_t b0, uint32_t s, uint32_t 
     for (int64_t b = 0; b < nb; b++) { z[4 * b + 1] = ra[b] * sinf(ta[b]); z[4 * b + 3] = rb[b] * sinf(tb[b]); }
 }
 
+"""
+
+_C_SOURCE = PHILOX_SOURCE + r"""
 /* standard normals of stream s: out[i] for i in [0, n) */
 void pgvi_normals(float *out, int64_t n, uint32_t s, uint32_t k0, uint32_t k1) {
     float buf[4 * NB];
@@ -368,4 +372,4 @@ def standard_normal(n: int, stream: int, key: int) -> Tensor:
     return out
 
 
-__all__ = ["MAX_FOLDED_WIDTH", "applies_to", "available", "sample_relu", "sample_relu_linear", "standard_normal"]
+__all__ = ["MAX_FOLDED_WIDTH", "PHILOX_SOURCE", "applies_to", "available", "sample_relu", "sample_relu_linear", "standard_normal"]

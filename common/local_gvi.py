@@ -60,6 +60,7 @@ from torch import Tensor
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common import fused_meanfield
+from common.adam import Adam
 from common.fast_math import log1p
 from common.quadratic import QuadraticLoss
 from common.variational import DEFAULT_MIN_SCALE, MeanFieldVariational, VariationalGaussian, variational_for
@@ -214,6 +215,11 @@ def _check_finite_input(t: Tensor | None, what: str) -> None:
         raise NonFiniteError(f"local_gvi: {what} has {bad} non-finite entries")
 
 
+def _rows(t: Tensor, idx: Tensor | slice) -> Tensor:
+    """``t[idx]`` along dimension 0 (``index_select`` for an index tensor: a quarter of ``t[idx]``'s time)."""
+    return t[idx] if isinstance(idx, slice) else torch.index_select(t, 0, idx)
+
+
 def _gauss_hermite(k: int, dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Nodes ``(k**dim, dim)`` and weights ``(k**dim,)`` of the standard-normal tensor-product rule."""
     x, w = np.polynomial.hermite_e.hermegauss(k)  # weight exp(-x^2/2)
@@ -306,6 +312,11 @@ class _Objective:
         if self.path == "mc_local_reparam":
             moments = moments or self.moments(q)
             assert moments is not None
+            fused = getattr(self.model, "expected_loss_local_reparam", None)
+            if fused is not None and ref is None:  # common/fused_head.py where it applies
+                value = fused(moments.means, moments.variances, xb, yb, s, self.loss, generator)
+                if value is not None:
+                    return value
             out = self.model.output_local_reparam(moments.means, moments.variances, xb, s, generator)
         elif moments is not None:
             assert moments.scales is not None  # the fused variances are used on the local-reparam path only
@@ -570,10 +581,8 @@ def local_gvi(
     bsz = n if (config.batch_size is None or obj.path == "closed_form") else min(config.batch_size, n)
 
     lr_scale = config.lr if config.lr_scale is None else config.lr_scale
-    optimiser = torch.optim.Adam(
-        [{"params": q.loc_parameters(), "lr": config.lr}, {"params": q.scale_parameters(), "lr": lr_scale}],
-        lr=config.lr, fused=True,  # one kernel per parameter group (CPU fused Adam, deterministic)
-    )
+    # torch's fused Adam kernel, one call per group, without torch.optim's import of torch._dynamo (common/adam.py)
+    optimiser = Adam([(q.loc_parameters(), config.lr), (q.scale_parameters(), lr_scale)])
     gen = torch.Generator().manual_seed(int(config.seed))
 
     running_mode = config.objective_estimate == "running"
@@ -592,12 +601,12 @@ def local_gvi(
             perm = torch.randperm(n, generator=gen)
             batches = [perm[s:s + bsz] for s in range(0, n, bsz)]
         for step, idx in enumerate(batches):
-            optimiser.zero_grad(set_to_none=True)
+            optimiser.zero_grad()
             moments = obj.moments(q)
             if obj.path == "closed_form":
                 expected = obj.full_expected_loss(q, None)
             else:
-                xb, yb = obj.x[idx], obj.y[idx]
+                xb, yb = _rows(obj.x, idx), _rows(obj.y, idx)
                 expected = obj.batch_expected_loss(q, xb, yb, gen, moments=moments) * (n / int(xb.shape[0]))
             div = obj.divergence_term(q, moments)
             value = _finite_float(expected.detach(), div.detach(), f"epoch {epoch}, step {step}")

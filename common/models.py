@@ -29,9 +29,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from common import fused_sampling
+from common import fused_head, fused_sampling
 from common.families import GaussianFactor, MeanFieldGaussian
 from common.likelihoods import CategoricalOutput, GaussianOutput, LikelihoodOutput
+from common.losses import Loss
 from common.quadratic import QuadraticLoss
 from common.registry import Registry
 
@@ -440,35 +441,68 @@ class BayesianMLP(LikelihoodModel):
         """
         s = _positive_int(n_samples, "n_samples", self.name)
         x = self._check_x(x)
-        w0 = mean["layers.0.weight"]
-        dtype, device = w0.dtype, w0.device
-        if x.dtype != dtype:
-            x = x.to(dtype)
         b = x.shape[0]
-        fused = self.use_fused_sampling and self.num_layers > 1 and fused_sampling.applies_to(w0)
-
-        def params(i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            k = f"layers.{i}"
-            return mean[f"{k}.weight"], mean[f"{k}.bias"], variance[f"{k}.weight"], variance[f"{k}.bias"]
-
-        def draws(i: int) -> int:  # layer 0's (B, out) moments broadcast into (S, B, out); later (S*B, out)
-            return s if i == 0 else 1
-
-        # layer 0's moments on the B input rows, shared by all samples; later layers' on S*B rows
-        mu, var = self._moments(x, *params(0))
-        for i in range(self.num_layers - 1):  # hidden layers: sample, ReLU, next layer's moments
-            out = mu.shape[-1]
-            if fused:  # one pass for the draw, the ReLU and the square (common/fused_sampling.py)
-                mu, var = fused_sampling.sample_relu_linear(mu, var.sqrt(), *params(i + 1), draws(i), generator)
-                continue
-            eps = torch.randn((draws(i), mu.shape[0], out), generator=generator, dtype=dtype, device=device)
-            h = torch.relu_(torch.addcmul(mu, var.sqrt(), eps)).view(s * b, out)
-            mu, var = self._moments(h, *params(i + 1))
-        last = self.num_layers - 1
-        eps = torch.randn((draws(last), mu.shape[0], self.num_classes), generator=generator, dtype=dtype,
-                          device=device)
+        mu, var, draws = self._last_moments_local_reparam(mean, variance, x, s, generator)
+        eps = torch.randn((draws, mu.shape[0], self.num_classes), generator=generator, dtype=mu.dtype,
+                          device=mu.device)
         a = torch.addcmul(mu, var.sqrt(), eps)
         return CategoricalOutput(a.view(s, b, self.num_classes))
+
+    def _layer(self, mean: Mapping[str, Tensor], variance: Mapping[str, Tensor], i: int
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        k = f"layers.{i}"
+        return mean[f"{k}.weight"], mean[f"{k}.bias"], variance[f"{k}.weight"], variance[f"{k}.bias"]
+
+    def _last_moments_local_reparam(
+        self, mean: Mapping[str, Tensor], variance: Mapping[str, Tensor], x: Tensor, s: int,
+        generator: torch.Generator | None, stop: int = 0,
+    ) -> tuple[Tensor, Tensor, int]:
+        """Pre-activation moments ``(mu, var, draws)`` of layer ``num_layers - 1 - stop`` by the local
+        reparameterisation: layer 0's on the ``B`` rows of ``x`` with ``draws = s`` (shared by the samples),
+        a later layer's on the ``s B`` rows of the previous layer's samples with ``draws = 1``."""
+        w0 = mean["layers.0.weight"]
+        if x.dtype != w0.dtype:
+            x = x.to(w0.dtype)
+        fused = self.use_fused_sampling and self.num_layers > 1 and fused_sampling.applies_to(w0)
+        mu, var = self._moments(x, *self._layer(mean, variance, 0))
+        draws = s
+        for i in range(self.num_layers - 1 - stop):  # hidden layers: sample, ReLU, next layer's moments
+            if fused:  # one pass for the draw, the ReLU and the square (common/fused_sampling.py)
+                mu, var = fused_sampling.sample_relu_linear(mu, var.sqrt(), *self._layer(mean, variance, i + 1),
+                                                            draws, generator)
+            else:
+                eps = torch.randn((draws, mu.shape[0], mu.shape[-1]), generator=generator, dtype=mu.dtype,
+                                  device=mu.device)
+                h = torch.relu_(torch.addcmul(mu, var.sqrt(), eps)).view(-1, mu.shape[-1])
+                mu, var = self._moments(h, *self._layer(mean, variance, i + 1))
+            draws = 1
+        return mu, var, draws
+
+    def expected_loss_local_reparam(
+        self,
+        mean: Mapping[str, Tensor],
+        variance: Mapping[str, Tensor],
+        x: Tensor,
+        y: Tensor,
+        n_samples: int,
+        loss: Loss,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | None:
+        """``sum_i E_q[loss_i] `` over the batch, estimated with ``n_samples`` local-reparameterisation samples
+        by :mod:`common.fused_head` (the last hidden layer, the output layer and the loss in one pass), or
+        ``None`` where that kernel does not apply (fused sampling off, no hidden layer, a loss other than the
+        NLL or GCE, more than ``fused_head.MAX_CLASSES`` classes, not float32 on the CPU, kernels not built):
+        the caller then uses :meth:`output_local_reparam` and the loss.  Same distribution as that path; other
+        draws."""
+        w0 = mean["layers.0.weight"]
+        if not (self.use_fused_sampling and self.num_layers > 1 and self.num_classes <= fused_head.MAX_CLASSES
+                and fused_head.loss_spec(loss) is not None and fused_head.applies_to(w0)):
+            return None
+        s = _positive_int(n_samples, "n_samples", self.name)
+        x = self._check_x(x)
+        mu, var, draws = self._last_moments_local_reparam(mean, variance, x, s, generator, stop=1)
+        return fused_head.expected_loss(mu, var, *self._layer(mean, variance, self.num_layers - 1), y, s, draws,
+                                        loss, generator)
 
     def predictive_probs(
         self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None

@@ -1,0 +1,91 @@
+"""Adam for the local GVI loop, computed by torch's fused CPU kernel without constructing a ``torch.optim``
+optimiser.
+
+Constructing any ``torch.optim.Optimizer`` in torch 2.14 imports ``torch._dynamo`` and with it sympy, mpmath and
+about 890 other modules: about 1 CPU-second once per process (a client that starts a process per message pays
+it every round), and 135,000 more Python objects that every later full garbage collection walks (measured in
+``docs/bench_core.md``).  :class:`Adam` keeps the same state (``exp_avg``, ``exp_avg_sq`` and a float32 step
+counter per parameter) and calls the same kernel as ``torch.optim.Adam(..., fused=True)`` (``torch._fused_adam_``;
+results are bit-identical, tested), one call per parameter group.  Where that kernel does not exist or does not
+take the tensors, the update is the textbook one (Kingma & Ba 2015, Algorithm 1, with ``eps`` added to the
+bias-corrected root as torch does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _check(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v < lo or v >= hi or (lo_open and v == lo):
+        raise ValueError(f"Adam: {name} must be in {'(' if lo_open else '['}{lo}, {hi}), got {value!r}")
+    return v
+
+
+class Adam:
+    """Adam over parameter groups ``[(params, lr), ...]`` (no weight decay, no AMSGrad)."""
+
+    def __init__(self, groups: Sequence[tuple[Iterable[Tensor], float]], betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        self.beta1 = _check("beta1", betas[0], 0.0, 1.0)
+        self.beta2 = _check("beta2", betas[1], 0.0, 1.0)
+        self.eps = _check("eps", eps, 0.0, math.inf)
+        self.groups: list[tuple[list[Tensor], float]] = []
+        seen: set[int] = set()
+        for params, lr in groups:
+            plist = list(params)
+            for p in plist:
+                if not p.requires_grad or not p.is_leaf:
+                    raise ValueError("Adam: every parameter must be a leaf tensor that requires grad")
+                if id(p) in seen:
+                    raise ValueError("Adam: a parameter appears in more than one group")
+                seen.add(id(p))
+            self.groups.append((plist, _check("lr", lr, 0.0, math.inf, lo_open=True)))
+        self.exp_avg = {id(p): torch.zeros_like(p, memory_format=torch.preserve_format)
+                        for ps, _ in self.groups for p in ps}
+        self.exp_avg_sq = {id(p): torch.zeros_like(p, memory_format=torch.preserve_format)
+                           for ps, _ in self.groups for p in ps}
+        self.steps = {id(p): torch.zeros((), dtype=torch.float32, device=p.device) for ps, _ in self.groups for p in ps}
+
+    def zero_grad(self) -> None:
+        for ps, _ in self.groups:
+            for p in ps:
+                p.grad = None
+
+    @staticmethod
+    def _fused_applies(params: list[Tensor]) -> bool:
+        return (hasattr(torch, "_fused_adam_") and len({(p.device, p.dtype) for p in params}) == 1
+                and params[0].device.type == "cpu" and params[0].dtype in (torch.float32, torch.float64))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        for ps, lr in self.groups:
+            params = [p for p in ps if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            m = [self.exp_avg[id(p)] for p in params]
+            v = [self.exp_avg_sq[id(p)] for p in params]
+            steps = [self.steps[id(p)] for p in params]
+            if self._fused_applies(params):
+                torch._foreach_add_(steps, 1)
+                torch._fused_adam_(params, grads, m, v, [], steps, lr=lr, beta1=self.beta1,  # type: ignore[attr-defined]
+                                   beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
+                continue
+            for p, g, mi, vi, st in zip(params, grads, m, v, steps):
+                st.add_(1)
+                t = float(st)
+                mi.lerp_(g, 1.0 - self.beta1)
+                vi.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
+                bc1, bc2 = 1.0 - self.beta1**t, 1.0 - self.beta2**t
+                denom = (vi.sqrt() / math.sqrt(bc2)).add_(self.eps)
+                p.addcdiv_(mi, denom, value=-lr / bc1)
+
+
+__all__ = ["Adam"]

@@ -1,0 +1,387 @@
+"""Fused categorical head of the Bayesian MLP: the last hidden layer's sampling, the output layer, the logits'
+sampling and the softmax loss, with their gradients, in one pass per row.
+
+On the local-reparameterisation path (:meth:`common.models.BayesianMLP.output_local_reparam`) a step's
+expected loss is, for the last hidden layer's pre-activation moments ``mu, var`` (``(R, H)``) and the output
+layer's weight and bias means and variances ``W_mu, b_mu, W_var, b_var`` (``(C, H)``, ``(C,)``)::
+
+    h   = relu(mu + sqrt(var) * eps_h)                      eps_h ~ N(0, I), (D, R, H)
+    m   = h W_mu^T + b_mu,   v = h^2 W_var^T + b_var        (D, R, C)
+    z   = m + sqrt(v) * eps_o                               eps_o ~ N(0, I), (D, R, C)
+    sum over the D R rows of  w * L(z, y) / S
+
+with ``L`` the negative log-likelihood ``-log softmax(z)_y`` or the generalised cross-entropy
+``(1 - softmax(z)_y^delta) / delta`` (:mod:`common.losses`; ``w`` the loss weight of
+:class:`~common.losses.ScaledLoss`).  Row ``r`` of draw ``d`` has label ``y[(d R + r) mod B]``: a network
+with one hidden layer passes the ``B`` rows of its first layer's moments and ``D = S`` draws, a deeper one
+the ``S B`` rows of its previous layer's samples and ``D = 1``.
+
+In torch this is about twenty operators and autograd nodes per step, three ``(D, R, H)`` tensors written in the
+forward and read back in the backward, two skinny GEMMs each way and a log-softmax over ``D R`` rows.  The
+kernel below keeps a row's ``h`` in cache from the draw to the gradient: it writes only ``d/dmu, d/dvar``
+(``(R, H)``) and the output layer's gradient, which the loss's own gradient makes available in the forward (the
+loss is the end of the graph); the backward only scales them by the incoming gradient.
+
+Noise: ``eps_h`` of draw ``d`` is stream ``d`` of the Philox generator of :mod:`common.fused_sampling` (the
+numbers :func:`common.fused_sampling.sample_relu` would use for the same key), ``eps_o`` is stream
+``d + 2^31``; the 64-bit key is one draw from the caller's ``torch.Generator``.  The loss therefore differs from
+the torch path's (whose output noise comes from ``torch.randn``) by Monte Carlo noise only.  Rows are
+processed in fixed blocks and the blocks' partial sums added in block order, so the result does not depend on
+the number of threads.
+
+float32 CPU tensors, at most :data:`MAX_CLASSES` classes, and the kernels built (:func:`applies_to`); anything
+else takes the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from common import fused_sampling
+from common.losses import GeneralisedCrossEntropy, Loss, NegativeLogLikelihood, ScaledLoss
+from common.native import NativeLibrary, run_chunks
+
+#: Most classes the kernel handles (its per-row arrays live on the stack).
+MAX_CLASSES = 64
+#: Rows per block: the unit of work of a thread and of the partial sums (so results do not depend on threads).
+BLOCK_ROWS = 128
+#: Stream offset of the output layer's noise (the hidden layer's draw ``d`` is stream ``d``).
+OUTPUT_STREAM = 1 << 31
+
+_C_SOURCE = fused_sampling.PHILOX_SOURCE + r"""
+#include <stdlib.h>
+#define MAXC 64
+#define VL 16 /* floats per vector: 512 bits (two halves on 256-bit units, four NEON registers on arm64) */
+#define RG 4  /* rows processed together: four independent accumulators per output, one weight load for four rows */
+typedef float vf __attribute__((vector_size(4 * VL), aligned(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4 * VL)));
+
+static inline float hsum(vf a) { float s = 0.0f; for (int i = 0; i < VL; i++) s += a[i]; return s; }
+
+/* The noise of rows [r0, r1) of one draw: normals [r0 W, r1 W) of stream s sit at buf[i - returned offset];
+   whole tiles, as in pgvi_normals, so a number depends only on (key, stream, index). */
+static int64_t fill_rows(float *buf, int64_t r0, int64_t r1, int64_t W, uint32_t s, uint32_t k0, uint32_t k1) {
+    const int64_t T = 4 * NB;
+    int64_t t0 = (r0 * W) / T, t1 = (r1 * W + T - 1) / T;
+    for (int64_t t = t0; t < t1; t++) philox_normals(buf + (t - t0) * T, (uint32_t)(t * NB), s, k0, k1);
+    return t0 * T;
+}
+
+/* Rows [r0, r1) of the hidden moments (mu, sd: R x H), all D draws.  Returns 0, 1 (out of memory) or 2 (a label
+   outside [0, C)).  loss_out: this block's sum of the per-row losses (unscaled).  With want_grad: rows [r0, r1)
+   of dmu and dvar (w.r.t. mu and var = sd^2), and this block's partial output-layer gradients dwm, dwv (C x H),
+   dbm, dbv (C), all scaled by gscale (= weight / S).  Weights, activations and weight gradients are held in
+   copies padded to a multiple of VL with zeros, so every vector loop is whole. */
+int pgvi_head_block(const float *restrict mu, const float *restrict sd, int64_t R, int64_t H,
+                    const float *restrict wm, const float *restrict bm, const float *restrict wv,
+                    const float *restrict bv, int64_t C, const int64_t *restrict y, int64_t B, int64_t D,
+                    uint32_t k0, uint32_t k1, float delta, float gscale, int want_grad, int64_t r0, int64_t r1,
+                    double *restrict loss_out, float *restrict dmu, float *restrict dvar, float *restrict dwm,
+                    float *restrict dwv, float *restrict dbm, float *restrict dbv) {
+    const int64_t T = 4 * NB, nv = (H + VL - 1) / VL, Hp = nv * VL;
+    int64_t nh = ((r1 * H + T - 1) / T - (r0 * H) / T) * T, no = ((r1 * C + T - 1) / T - (r0 * C) / T) * T;
+    size_t nws = sizeof(float) * (size_t)(4 * C * Hp + 2 * RG * Hp);
+    float *eh = (float *)malloc(sizeof(float) * nh), *eo = (float *)malloc(sizeof(float) * no);
+    float *ws = (float *)aligned_alloc(4 * VL, nws);
+    if (!eh || !eo || !ws) { free(eh); free(eo); free(ws); return 1; }
+    memset(ws, 0, nws);
+    float *wmp = ws, *wvp = wmp + C * Hp, *dwp = wvp + C * Hp, *dwq = dwp + C * Hp, *hk = dwq + C * Hp,
+          *h2k = hk + RG * Hp;
+    for (int64_t c = 0; c < C; c++) {
+        memcpy(wmp + c * Hp, wm + c * H, sizeof(float) * H);
+        memcpy(wvp + c * Hp, wv + c * H, sizeof(float) * H);
+    }
+    const vf *W = (const vf *)wmp, *U = (const vf *)wvp;
+    vf *DW = (vf *)dwp, *DU = (vf *)dwq;
+    const vf *X[RG], *X2[RG];
+    for (int k = 0; k < RG; k++) { X[k] = (const vf *)(hk + k * Hp); X2[k] = (const vf *)(h2k + k * Hp); }
+    const int64_t CP = (C + VL - 1) / VL * VL; /* class slots per row */
+    float M[RG * MAXC], V[RG * MAXC], O[RG * MAXC], Z[RG * MAXC], S[RG * MAXC], P[RG * MAXC], DM[RG * MAXC],
+          DV[RG * MAXC], PAD[RG * MAXC];
+    for (int64_t i = 0; i < RG * CP; i++) {
+        int in = i % CP < C;
+        M[i] = 0.0f; V[i] = 1.0f; O[i] = 0.0f; PAD[i] = in ? 0.0f : -INFINITY;
+    }
+    double loss = 0.0;
+    int status = 0;
+    if (want_grad) {
+        memset(dmu + r0 * H, 0, sizeof(float) * (r1 - r0) * H);
+        memset(dvar + r0 * H, 0, sizeof(float) * (r1 - r0) * H); /* holds d/dsd until the end */
+        memset(dbm, 0, sizeof(float) * C); memset(dbv, 0, sizeof(float) * C);
+    }
+    for (int64_t d = 0; d < D && !status; d++) {
+        int64_t bh = fill_rows(eh, r0, r1, H, (uint32_t)d, k0, k1);
+        int64_t bo = fill_rows(eo, r0, r1, C, (uint32_t)d | 0x80000000u, k0, k1);
+        for (int64_t r = r0; r < r1 && !status; r += RG) {
+            int nr = r1 - r < RG ? (int)(r1 - r) : RG;
+            for (int k = 0; k < RG; k++) {
+                float *hr = hk + k * Hp, *h2r = h2k + k * Hp;
+                if (k >= nr) { memset(hr, 0, sizeof(float) * H); memset(h2r, 0, sizeof(float) * H); continue; }
+                const float *e = eh + ((r + k) * H - bh), *mur = mu + (r + k) * H, *sdr = sd + (r + k) * H;
+                #pragma omp simd
+                for (int64_t j = 0; j < H; j++) {
+                    float a = mur[j] + sdr[j] * e[j];
+                    a = a < 0.0f ? 0.0f : a; /* NaN stays NaN */
+                    hr[j] = a; h2r[j] = a * a;
+                }
+            }
+            for (int64_t c = 0; c < C; c++) { /* logits' means and scales, four rows at a time */
+                vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+                const vf *w = W + c * nv, *u = U + c * nv;
+                for (int64_t v = 0; v < nv; v++) {
+                    a0 += w[v] * X[0][v]; a1 += w[v] * X[1][v]; a2 += w[v] * X[2][v]; a3 += w[v] * X[3][v];
+                    b0 += u[v] * X2[0][v]; b1 += u[v] * X2[1][v]; b2 += u[v] * X2[2][v]; b3 += u[v] * X2[3][v];
+                }
+                M[c] = bm[c] + hsum(a0); M[CP + c] = bm[c] + hsum(a1);
+                M[2 * CP + c] = bm[c] + hsum(a2); M[3 * CP + c] = bm[c] + hsum(a3);
+                V[c] = bv[c] + hsum(b0); V[CP + c] = bv[c] + hsum(b1);
+                V[2 * CP + c] = bv[c] + hsum(b2); V[3 * CP + c] = bv[c] + hsum(b3);
+            }
+            /* logits, softmax and the loss's gradient in the group's RG x CP slots: class slots c >= C have
+               mean 0, variance 1, noise 0 and logit -inf (probability 0, gradient 0); rows k >= nr get factor 0 */
+            for (int k = 0; k < RG; k++) {
+                const float *eoc = eo + ((r + (k < nr ? k : 0)) * C - bo);
+                for (int64_t c = 0; c < C; c++) O[k * CP + c] = k < nr ? eoc[c] : 0.0f;
+            }
+            #pragma omp simd
+            for (int64_t i = 0; i < RG * CP; i++) {
+                float sv = sqrtf(V[i]);
+                Z[i] = M[i] + sv * O[i] + PAD[i]; /* PAD: 0, or -inf in class slots c >= C */
+                S[i] = sv;
+            }
+            float zmax[RG], fac[RG], fay[RG];
+            int64_t ys[RG];
+            for (int k = 0; k < RG; k++) {
+                ys[k] = k < nr ? y[(d * R + r + k) % B] : 0;
+                if (ys[k] < 0 || ys[k] >= C) status = 2;
+                float zm = -INFINITY;
+                for (int64_t c = 0; c < C; c++) zm = Z[k * CP + c] > zm ? Z[k * CP + c] : zm; /* NaN: skipped here, */
+                zmax[k] = zm;                                                         /* propagates below */
+            }
+            if (status) break;
+            for (int k = 0; k < RG; k++) {
+                float zm = zmax[k];
+                #pragma omp simd
+                for (int64_t c = 0; c < CP; c++) P[k * CP + c] = expf(Z[k * CP + c] - zm);
+            }
+            for (int k = 0; k < RG; k++) {
+                fac[k] = 0.0f; fay[k] = 0.0f;
+                if (k >= nr) continue;
+                float se = 0.0f;
+                for (int64_t c = 0; c < C; c++) se += P[k * CP + c];
+                float lpy = Z[k * CP + ys[k]] - (zmax[k] + logf(se)); /* log softmax(z)_y; NaN in, NaN out */
+                loss += delta > 0.0f ? -expm1f(delta * lpy) / delta : -lpy;
+                /* dL/dz_c = A (softmax_c - [c = y]), A = gscale p_y^delta (delta = 0: the NLL) */
+                fay[k] = gscale * (delta > 0.0f ? expf(delta * lpy) : 1.0f);
+                fac[k] = fay[k] / se;
+            }
+            if (!want_grad) continue;
+            for (int k = 0; k < RG; k++) {
+                float f = fac[k], fy = fay[k];
+                int64_t yk = ys[k];
+                #pragma omp simd
+                for (int64_t c = 0; c < CP; c++) {
+                    int64_t i = k * CP + c;
+                    float g = f * P[i] - (c == yk ? fy : 0.0f);
+                    DM[i] = g;
+                    DV[i] = g * O[i] * 0.5f / S[i];
+                }
+            }
+            for (int64_t c = 0; c < C; c++) {
+                dbm[c] += (DM[c] + DM[CP + c]) + (DM[2 * CP + c] + DM[3 * CP + c]);
+                dbv[c] += (DV[c] + DV[CP + c]) + (DV[2 * CP + c] + DV[3 * CP + c]);
+            }
+            if (!want_grad || status) continue;
+            for (int64_t v = 0; v < nv; v++) { /* d/dh (four rows) and the weight gradients, one column block */
+                vf x0 = X[0][v], x1 = X[1][v], x2 = X[2][v], x3 = X[3][v];
+                vf y0 = X2[0][v], y1 = X2[1][v], y2 = X2[2][v], y3 = X2[3][v];
+                vf g0 = {0}, g1 = {0}, g2 = {0}, g3 = {0}, q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
+                for (int64_t c = 0; c < C; c++) {
+                    vf w = W[c * nv + v], u = U[c * nv + v];
+                    float a0 = DM[c], a1 = DM[CP + c], a2 = DM[2 * CP + c], a3 = DM[3 * CP + c];
+                    float e0 = DV[c], e1 = DV[CP + c], e2 = DV[2 * CP + c], e3 = DV[3 * CP + c];
+                    g0 += a0 * w; g1 += a1 * w; g2 += a2 * w; g3 += a3 * w;
+                    q0 += e0 * u; q1 += e1 * u; q2 += e2 * u; q3 += e3 * u;
+                    DW[c * nv + v] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3;
+                    DU[c * nv + v] += e0 * y0 + e1 * y1 + e2 * y2 + e3 * y3;
+                }
+                vf gs[RG] = {g0 + 2.0f * x0 * q0, g1 + 2.0f * x1 * q1, g2 + 2.0f * x2 * q2, g3 + 2.0f * x3 * q3};
+                vf xs[RG] = {x0, x1, x2, x3};
+                int64_t j0 = v * VL, m = H - j0 < VL ? H - j0 : VL;
+                for (int k = 0; k < nr; k++) {
+                    vi keep = xs[k] > 0.0f; /* ReLU mask; NaN -> no gradient */
+                    vf g = (vf)((vi)gs[k] & keep);
+                    const float *e = eh + ((r + k) * H - bh) + j0;
+                    float *dmr = dmu + (r + k) * H + j0, *dsr = dvar + (r + k) * H + j0;
+                    for (int64_t i = 0; i < m; i++) { dmr[i] += g[i]; dsr[i] += g[i] * e[i]; }
+                }
+            }
+        }
+    }
+    if (want_grad && !status) {
+        for (int64_t rr = r0; rr < r1; rr++) { /* d/dvar = d/dsd / (2 sd) */
+            float *dsr = dvar + rr * H;
+            const float *sdr = sd + rr * H;
+            #pragma omp simd
+            for (int64_t j = 0; j < H; j++) dsr[j] = dsr[j] * 0.5f / sdr[j];
+        }
+        for (int64_t c = 0; c < C; c++) {
+            memcpy(dwm + c * H, dwp + c * Hp, sizeof(float) * H);
+            memcpy(dwv + c * H, dwq + c * Hp, sizeof(float) * H);
+        }
+    }
+    *loss_out = loss;
+    free(eh); free(eo); free(ws);
+    return status;
+}
+"""
+
+_I64, _U32, _VP, _F, _I = ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_NATIVE = NativeLibrary(
+    "head",
+    _C_SOURCE,
+    {
+        "pgvi_head_block": ([_VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP, _I64, _VP, _I64, _I64, _U32, _U32, _F, _F,
+                             _I, _I64, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _VP], ctypes.c_int),
+    },
+)
+
+
+def available() -> bool:
+    """``True`` if the kernel is loaded (builds it on the first call)."""
+    return fused_sampling.available() and _NATIVE.get() is not None
+
+
+def applies_to(w: Tensor) -> bool:
+    """Whether the kernel can take parameters like ``w`` (float32, CPU) and is built."""
+    return w.dtype == torch.float32 and w.device.type == "cpu" and available()
+
+
+def loss_spec(loss: Loss) -> tuple[float, float] | None:
+    """``(delta, weight)`` of the losses the kernel computes: ``nll`` is ``(0, 1)``, ``gce(delta)`` is
+    ``(delta, 1)``, either wrapped in :class:`~common.losses.ScaledLoss` ``(w)`` has weight ``w``; ``None`` for
+    any other loss (it takes the torch path)."""
+    weight = 1.0
+    if isinstance(loss, ScaledLoss):
+        loss, weight = loss.base, loss.weight
+    if type(loss) is NegativeLogLikelihood:
+        return 0.0, weight
+    if type(loss) is GeneralisedCrossEntropy:
+        return loss.delta, weight
+    return None
+
+
+def _block_bounds(rows: int) -> list[tuple[int, int]]:
+    return [(r, min(rows, r + BLOCK_ROWS)) for r in range(0, rows, BLOCK_ROWS)]
+
+
+def _run(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor, y: Tensor,
+         n_draws: int, delta: float, gscale: float, k0: int, k1: int, want_grad: bool
+         ) -> tuple[float, tuple[Tensor, ...] | None]:
+    lib = _NATIVE.get()
+    assert lib is not None
+    rows, width = mu.shape
+    classes = w_mean.shape[0]
+    blocks = _block_bounds(rows)
+    nb = len(blocks)
+    losses = (ctypes.c_double * nb)()
+    status = [0] * nb
+    if want_grad:
+        dmu, dvar = torch.empty_like(mu), torch.empty_like(mu)
+        dwm, dwv = torch.empty((nb, classes, width), dtype=mu.dtype), torch.empty((nb, classes, width), dtype=mu.dtype)
+        dbm, dbv = torch.empty((nb, classes), dtype=mu.dtype), torch.empty((nb, classes), dtype=mu.dtype)
+        ptrs = [t.data_ptr() for t in (dmu, dvar)]
+        row_c, row_ch = classes * 4, classes * width * 4
+    args = (mu.data_ptr(), sd.data_ptr(), rows, width, w_mean.data_ptr(), b_mean.data_ptr(), w_var.data_ptr(),
+            b_var.data_ptr(), classes, y.data_ptr(), y.shape[0], n_draws, k0, k1, delta, gscale, int(want_grad))
+
+    def work(i0: int, i1: int) -> None:
+        for i in range(i0, i1):
+            r0, r1 = blocks[i]
+            if want_grad:
+                out = (ptrs[0], ptrs[1], dwm.data_ptr() + i * row_ch, dwv.data_ptr() + i * row_ch,
+                       dbm.data_ptr() + i * row_c, dbv.data_ptr() + i * row_c)
+            else:
+                out = (None,) * 6
+            status[i] = lib.pgvi_head_block(*args, r0, r1, ctypes.byref(losses, i * 8), *out)
+
+    run_chunks(work, nb)
+    if any(s == 1 for s in status):
+        raise MemoryError("fused head: out of memory")
+    if any(s == 2 for s in status):
+        raise IndexError(f"fused head: a label is outside [0, {classes})")
+    total = 0.0
+    for v in losses:  # block order: independent of the thread count
+        total += v
+    if not want_grad:
+        return total, None
+    if nb > 1:
+        dwm, dwv, dbm, dbv = dwm.sum(0), dwv.sum(0), dbm.sum(0), dbv.sum(0)
+    else:
+        dwm, dwv, dbm, dbv = dwm[0], dwv[0], dbm[0], dbv[0]
+    return total, (dmu, dvar, dwm, dbm, dwv, dbv)
+
+
+class _CategoricalHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mu: Tensor, var: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,  # type: ignore[override]
+                y: Tensor, n_samples: int, n_draws: int, delta: float, weight: float, k0: int, k1: int,
+                want: bool) -> Tensor:
+        c = lambda t: t.detach().contiguous()  # noqa: E731
+        total, grads = _run(c(mu), c(var).sqrt(), c(w_mean), c(b_mean), c(w_var), c(b_var), c(y), n_draws,
+                            delta, weight / n_samples, k0, k1, want)
+        ctx.grads = grads
+        return torch.tensor(total * weight / n_samples, dtype=mu.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("fused head: backward called twice (or without gradients)")
+        need = ctx.needs_input_grad
+        out = [g.mul_(grad) if need[i] else None for i, g in enumerate(grads)]
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def expected_loss(mu: Tensor, var: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,
+                  y: Tensor, n_samples: int, n_draws: int, loss: Loss,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """``sum over the n_draws R rows of w L(z, y) / n_samples`` (see the module docstring) as a scalar tensor,
+    differentiable w.r.t. ``mu, var`` (``(R, H)``) and the output layer's ``w_mean, b_mean, w_var, b_var``.
+    ``y``: the ``B`` integer labels, ``R n_draws`` a multiple of ``B``.  Call only where :func:`applies_to`
+    holds and :func:`loss_spec` is not ``None``."""
+    spec = loss_spec(loss)
+    if spec is None:
+        raise ValueError(f"fused head: loss {loss!r} is not one the kernel computes (see loss_spec)")
+    if mu.dim() != 2 or var.shape != mu.shape:
+        raise ValueError(f"fused head: mu and var must be (R, H) of one shape, got {tuple(mu.shape)}, "
+                         f"{tuple(var.shape)}")
+    rows, width = mu.shape
+    classes = w_mean.shape[0] if w_mean.dim() == 2 else -1
+    if (w_mean.shape != (classes, width) or w_var.shape != w_mean.shape or b_mean.shape != (classes,)
+            or b_var.shape != (classes,)):
+        raise ValueError(f"fused head: weights must be (C, {width}) and biases (C,), got {tuple(w_mean.shape)}, "
+                         f"{tuple(b_mean.shape)}, {tuple(w_var.shape)}, {tuple(b_var.shape)}")
+    if not 1 <= classes <= MAX_CLASSES:
+        raise ValueError(f"fused head: 1 to {MAX_CLASSES} classes, got {classes}")
+    if not all(applies_to(t) for t in (mu, var, w_mean, b_mean, w_var, b_var)):
+        raise RuntimeError("fused head: needs float32 CPU tensors and the compiled kernels (see applies_to)")
+    labels = y.long() if y.dtype != torch.int64 else y
+    if labels.dim() != 1 or labels.shape[0] == 0 or (rows * n_draws) % labels.shape[0]:
+        raise ValueError(f"fused head: y must hold B labels with B dividing {rows} x {n_draws} rows, got shape "
+                         f"{tuple(y.shape)}")
+    if not 1 <= n_draws < OUTPUT_STREAM or n_samples < 1:
+        raise ValueError(f"fused head: n_draws must be in [1, 2^31) and n_samples >= 1, got {n_draws}, {n_samples}")
+    if mu.numel() >= 2**34:
+        raise ValueError("fused head: more than 2^34 elements per draw")
+    k0, k1 = fused_sampling._key(generator)  # noqa: SLF001 - one key per call, as the sampler draws it
+    delta, weight = spec
+    want = torch.is_grad_enabled() and any(t.requires_grad for t in (mu, var, w_mean, b_mean, w_var, b_var))
+    return _CategoricalHead.apply(mu, var, w_mean, b_mean, w_var, b_var, labels, int(n_samples), int(n_draws),
+                                  float(delta), float(weight), k0, k1, want)
+
+
+__all__ = ["BLOCK_ROWS", "MAX_CLASSES", "OUTPUT_STREAM", "applies_to", "available", "expected_loss", "loss_spec"]
