@@ -20,7 +20,9 @@ Three parts, each selectable by a flag (no flag = all three):
       ("aborted").  ``dispatch`` = first ClientApp start (``/proc/<pid>/stat`` start time) minus round start;
       ``tail`` = round end minus the last ClientApp's CPU going idle; ``in-app`` = mean ClientApp lifetime
       (start to CPU idle) minus ``client-seconds-mean`` (imports, FAB install, data loading, reply encoding,
-      state file); CPU seconds per process role; the machine's busy CPU seconds (``/proc/stat``) minus ours =
+      state file); CPU seconds per process role (with ``--superexec preforked`` the ClientApps forked by the
+      SuperExec's forkserver count as ``flwr-clientapp``, the forkserver and multiprocessing's resource tracker
+      as ``flower-superexec``); the machine's busy CPU seconds (``/proc/stat``) minus ours =
       CPU used by other work on the shared machine.
     * bytes: ``reply-bytes / applied`` (ArrayRecord bytes counted by the strategy) against the raw float32
       payload ``2 * P * 4`` (eta1 and eta2 for each of the ``P`` parameters), and the TCP bytes the
@@ -47,6 +49,7 @@ Run from the repository root::
     .venv/bin/python scripts/bench_network.py                  # all three parts (about 35 min on 2 shared cores)
     .venv/bin/python scripts/bench_network.py --network --rounds 2 --local-epochs 20
     .venv/bin/python scripts/bench_network.py --network --warm-workers   # a warm compute worker per node
+    .venv/bin/python scripts/bench_network.py --network --superexec preforked  # ClientApps forked, not exec'd
     .venv/bin/python scripts/bench_network.py --client-rss --fresh-client-venv
     .venv-cpu/bin/python scripts/bench_network.py --simulation    # the simulation from another venv (CPU torch)
 
@@ -147,6 +150,31 @@ class ProcRecord:
         return best
 
 
+#: ``python -c`` code of multiprocessing's helper processes -> provisional role (resolved by :func:`_proc_role`).
+_MP_HELPERS = {
+    "from multiprocessing.forkserver import main": "mp-forkserver",
+    "from multiprocessing.resource_tracker import main": "mp-resource-tracker",
+}
+
+
+def _proc_role(cmd: list[str], ppid: int) -> str:
+    """:func:`_role`, with multiprocessing's helpers attributed by their parent: a child forked by a forkserver
+    (same command line as the forkserver, whose child it is) is a ClientApp of ``client/preforked_superexec.py``
+    -> ``flwr-clientapp``; the forkserver and the resource tracker count under the process that started them
+    (the SuperExec)."""
+    role = _role(cmd)
+    if role not in _MP_HELPERS.values():
+        return role
+    try:
+        parent = [c for c in Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace").split("\0") if c]
+    except OSError:
+        return role
+    parent_role = _role(parent)
+    if parent_role == "mp-forkserver":
+        return "flwr-clientapp"
+    return role if parent_role in _MP_HELPERS.values() or parent_role == "?" else parent_role
+
+
 def _role(cmd: list[str]) -> str:
     joined = " ".join(cmd)
     if not cmd:
@@ -161,6 +189,13 @@ def _role(cmd: list[str]) -> str:
         return "ray-gcs"
     if "client.warm_worker" in cmd[:4]:
         return "warm-worker"
+    if "client.preforked_superexec" in cmd[:4]:  # `python -m client.preforked_superexec`: the node's SuperExec
+        return "flower-superexec"
+    if "-c" in cmd[:6] and cmd.index("-c") + 1 < len(cmd):  # multiprocessing's helpers: `python [flags] -c CODE`
+        code = cmd[cmd.index("-c") + 1]
+        for helper, role in _MP_HELPERS.items():
+            if code.startswith(helper):
+                return role
     for arg in cmd[:3]:
         base = os.path.basename(arg)
         if base in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
@@ -269,13 +304,13 @@ class ProcTreeSampler:
                 except OSError:
                     continue
                 cmd = [c for c in cmd if c]
-                rec = ProcRecord(pid, BOOT_TIME + start / CLK_TCK, _role(cmd), " ".join(cmd)[:300], t, t)
+                rec = ProcRecord(pid, BOOT_TIME + start / CLK_TCK, _proc_role(cmd, ppid), " ".join(cmd)[:300], t, t)
                 self.procs[key] = rec
             elif rec.role in ("python", "python3", "python3.11", "?") or rec.role.startswith("ray"):  # renamed since
                 with contextlib.suppress(OSError):
                     cmd = [c for c in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if c]
                     if cmd:  # an exiting process has an empty cmdline: keep the role it had
-                        rec.role, rec.cmd = _role(cmd), " ".join(cmd)[:300]
+                        rec.role, rec.cmd = _proc_role(cmd, ppid), " ".join(cmd)[:300]
             rec.last_seen = t
             rec.samples.append((t, cpu, rss))
             rec.rss_peak = max(rec.rss_peak, rss)
@@ -518,20 +553,24 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     class BenchDeployment(Deployment):
         """``Deployment`` unchanged, except (``--superlink-db memory``) the SuperLink's ``--database``."""
 
-        def _spawn(self, role, index, cmd, home):  # type: ignore[no-untyped-def]
+        def _spawn(self, role, index, cmd, home, **kw):  # type: ignore[no-untyped-def]
             if role == "superlink" and args.superlink_db == "memory":
                 i = cmd.index("--database")
                 cmd = [*cmd[: i + 1], ":flwr-in-memory:", *cmd[i + 2:]]
-            return super()._spawn(role, index, cmd, home)
+            return super()._spawn(role, index, cmd, home, **kw)
 
     extra = {} if args.poll_interval is None else {"superexec_poll_interval": args.poll_interval}
+    isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
+    result.update({"isolation": isolation, "superexec": args.superexec})
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
-                         warm_workers=args.warm_workers, **extra) as dep:
+                         warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
+                         **extra) as dep:
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup
         print(f"{args.clients} SuperNodes online after {result['setup-seconds']:.1f}s (TLS on, isolation "
-              f"{dep.isolation}, warm compute workers {'ON' if dep.warm_workers else 'off'}, "
+              f"{dep.isolation}, SuperExec {dep.superexec}, "
+              f"warm compute workers {'ON' if dep.warm_workers else 'off'}, "
               f"node config torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL="
               f"{dep.superexec_poll_interval}, SuperLink --database "
               f"{':flwr-in-memory:' if args.superlink_db == 'memory' else dep.run_dir / 'superlink' / 'state.db'})",
@@ -948,6 +987,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 1: FLWR_SUPEREXEC_TASK_POLL_INTERVAL (default: Deployment's, 0.1 s)")
     ap.add_argument("--warm-workers", action="store_true",
                     help="part 1 with a warm compute worker per SuperNode (Deployment(warm_workers=True))")
+    ap.add_argument("--isolation", choices=("subprocess", "process"), default=None,
+                    help="part 1: Deployment isolation (default subprocess; process with --superexec preforked)")
+    ap.add_argument("--superexec", choices=("flower", "preforked"), default="flower",
+                    help="part 1: the nodes' SuperExec (Deployment(superexec=...)); preforked = "
+                         "client/preforked_superexec.py, ClientApps forked from a warm forkserver (implies "
+                         "--isolation process)")
     ap.add_argument("--sim-clients", type=int, default=1000)
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)
@@ -959,6 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-cpu-spec", default="torch==2.13.0")
     ap.add_argument("--run-timeout", type=float, default=4 * 3600.0)
     args = ap.parse_args(argv)
+    if args.superexec == "preforked" and args.isolation == "subprocess":
+        ap.error("--superexec preforked needs --isolation process")
     if str(args.client_venv.resolve()).startswith(str(ROOT)):
         ap.error("--client-venv must be outside the repository")
     parts = [p for p in ("client_rss", "network", "simulation") if getattr(args, p)] or [

@@ -27,6 +27,7 @@ CLI::
     python scripts/deploy.py up     ... --no-auth      # TLS without SuperNode authentication (warns)
     python scripts/deploy.py up     ... --insecure     # no TLS, no authentication (warns)
     python scripts/deploy.py up     ... --warm-workers # a warm compute worker per node (torch loaded once)
+    python scripts/deploy.py up     ... --superexec preforked  # process isolation; ClientApps forked, not exec'd
     python scripts/deploy.py run    --run-dir runs/deploy [-c 'k=v' ...]
     python scripts/deploy.py status --run-dir runs/deploy
     python scripts/deploy.py down   --run-dir runs/deploy
@@ -110,6 +111,9 @@ FLOWER_BASE_ENV: dict[str, str] = {
     "PYTHONUNBUFFERED": "1",
     "NO_COLOR": "1",
 }
+
+#: ``Deployment(superexec=...)``: Flower's ``flower-superexec`` or ``client/preforked_superexec.py``.
+SUPEREXECS = ("flower", "preforked")
 
 #: Flower exit code of a SuperNode that could not connect/activate (notes §3, §4).
 FLWR_EXIT_SUPERNODE_NOT_ACTIVATED = 305
@@ -391,6 +395,12 @@ class Deployment:
     isolation:
         ``"subprocess"`` (SuperLink/SuperNodes spawn their own SuperExec) or
         ``"process"`` (separate ``flower-superexec`` processes, like the Docker layout).
+    superexec:
+        Which SuperExec runs the ClientApps of each node with ``isolation="process"``: ``"flower"``
+        (default: ``flower-superexec``, a new ``flwr-clientapp`` interpreter per message) or ``"preforked"``
+        (``python -m client.preforked_superexec``, same arguments: each ClientApp is a fork of a forkserver
+        that has imported Flower's ClientApp runtime once). ``"preforked"`` needs ``isolation="process"``:
+        with ``"subprocess"`` the SuperNode itself starts ``flower-superexec`` from ``PATH``.
     node_config:
         Extra node-config entries for every node (e.g. ``{"torch-threads": 1}``).
     node_configs:
@@ -421,6 +431,7 @@ class Deployment:
         node_port_base: int = 9094,
         node_ports: Sequence[int] | None = None,
         isolation: str = "subprocess",
+        superexec: str = "flower",
         connection: str = DEFAULT_CONNECTION,
         node_config: Mapping[str, Any] | None = None,
         node_configs: Mapping[int, Mapping[str, Any]] | None = None,
@@ -440,6 +451,13 @@ class Deployment:
             raise ValueError(f"superlink_state must be 'sqlite' or 'memory', got {superlink_state!r}")
         if isolation not in ("subprocess", "process"):
             raise ValueError(f"isolation must be 'subprocess' or 'process', got {isolation!r}")
+        if superexec not in SUPEREXECS:
+            raise ValueError(f"superexec must be one of {SUPEREXECS}, got {superexec!r}")
+        if superexec == "preforked" and isolation != "process":
+            raise ValueError(
+                "superexec='preforked' needs isolation='process': with isolation='subprocess' each SuperNode "
+                "starts Flower's own `flower-superexec` from PATH, so there is no SuperExec process to replace"
+            )
         if node_ports is not None and len(node_ports) != num_nodes:
             raise ValueError(f"node_ports needs {num_nodes} entries, got {len(node_ports)}")
         if superexec_poll_interval is not None and not 0.01 <= superexec_poll_interval <= 60:
@@ -463,6 +481,7 @@ class Deployment:
             node_port_base + k for k in range(num_nodes)
         ]
         self.isolation = isolation
+        self.superexec = superexec
         self.connection = connection
         self.node_config = dict(node_config or {})
         self.node_configs: dict[int, dict[str, Any]] = {}
@@ -601,12 +620,13 @@ class Deployment:
 
     # ----------------------------------------------------------------- process control
 
-    def _spawn(self, role: str, index: int | None, cmd: list[str], home: Path) -> ProcInfo:
+    def _spawn(self, role: str, index: int | None, cmd: list[str], home: Path,
+               env: Mapping[str, str] | None = None) -> ProcInfo:
         name = role if index is None else f"{role}-{index}"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.logs_dir / f"{name}.log"
         popen = self._popen_logged(cmd, log_path, f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} $ ", home,
-                                   self.run_dir, append=True)
+                                   self.run_dir, append=True, env=env)
         info = ProcInfo(role, index, popen.pid, cmd, str(log_path), time.time(), popen)
         self.procs = [p for p in self.procs if not (p.role == role and p.index == index)]
         self.procs.append(info)
@@ -615,14 +635,14 @@ class Deployment:
         return info
 
     def _popen_logged(self, cmd: list[str], log_path: Path, header: str, home: Path, cwd: Path,
-                      append: bool) -> subprocess.Popen:
+                      append: bool, env: Mapping[str, str] | None = None) -> subprocess.Popen:
         """Start ``cmd`` in its own process group (so ``killpg`` reaches its children), its output going to
-        ``log_path`` after a header line with the command."""
+        ``log_path`` after a header line with the command; ``env`` is added to :meth:`_env`."""
         with open(log_path, "ab" if append else "wb") as fh:
             fh.write(f"{header}{' '.join(cmd)}\n".encode())
             fh.flush()
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                    env=self._env(home), cwd=str(cwd), start_new_session=True)
+                                    env={**self._env(home), **(env or {})}, cwd=str(cwd), start_new_session=True)
 
     def _proc(self, role: str, index: int | None = None) -> ProcInfo | None:
         for p in self.procs:
@@ -954,14 +974,26 @@ class Deployment:
                     "--ssl-certfile", str(rt_cert), "--ssl-keyfile", str(rt_key)]  # fmt: skip
         info = self._spawn("supernode", k, cmd, self.run_dir / "homes" / self.node_name(k))
         if self.isolation == "process":
-            self._spawn(
-                "superexec-clientapp",
-                k,
-                [self._bin("flower-superexec"), *self._tls_client_args(),
-                 "--runtime-api-address", f"127.0.0.1:{port}"],  # fmt: skip
-                self.run_dir / "homes" / f"{self.node_name(k)}-superexec",
-            )
+            args = [*self._tls_client_args(), "--runtime-api-address", f"127.0.0.1:{port}"]
+            home = self.run_dir / "homes" / f"{self.node_name(k)}-superexec"
+            if self.superexec == "preforked":
+                self._spawn("superexec-clientapp", k, [*self._preforked_superexec_cmd(), *args], home,
+                            env=self._preforked_superexec_env())
+            else:
+                self._spawn("superexec-clientapp", k, [self._bin("flower-superexec"), *args], home)
         return info
+
+    def _preforked_superexec_cmd(self) -> list[str]:
+        """``flower-superexec``'s replacement (same arguments follow): this repository's
+        ``client/preforked_superexec.py``, run by the deployment's Python."""
+        return [self._bin("python"), "-m", "client.preforked_superexec"]
+
+    def _preforked_superexec_env(self) -> dict[str, str]:
+        """``client`` importable from this repository whatever the working directory (the run dir) and
+        whether or not the project is installed in the deployment's venv (the ClientApp itself is still
+        imported from the FAB Flower installs, which ``load_app`` puts first on ``sys.path``)."""
+        old = self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+        return {"PYTHONPATH": str(REPO_ROOT) + (os.pathsep + old if old else "")}
 
     def spawn_probe_node(self, private_key: Path, *, port: int, name: str = "probe") -> ProcInfo:
         """Start an extra SuperNode with ``private_key`` (not counted; e.g. an unregistered key)."""
@@ -1275,6 +1307,7 @@ class Deployment:
             "control_port": self.control_port,
             "node_ports": self.node_ports,
             "isolation": self.isolation,
+            "superexec": self.superexec,
             "connection": self.connection,
             "node_config": self.node_config,
             "node_configs": {str(k): v for k, v in self.node_configs.items()},
@@ -1314,6 +1347,7 @@ class Deployment:
             control_port=st["control_port"],
             node_ports=st["node_ports"],
             isolation=st["isolation"],
+            superexec=st.get("superexec", "flower"),
             connection=st["connection"],
             node_config=st["node_config"],
             node_configs={int(k): v for k, v in st.get("node_configs", {}).items()},
@@ -1370,7 +1404,13 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fleet-port", type=int, default=9092)
     up.add_argument("--control-port", type=int, default=8000)
     up.add_argument("--node-port-base", type=int, default=9094)
-    up.add_argument("--isolation", choices=("subprocess", "process"), default="subprocess")
+    up.add_argument("--isolation", choices=("subprocess", "process"), default=None,
+                    help="subprocess (default): every SuperNode starts its own flower-superexec; process: a "
+                         "separate SuperExec process per node and for the ServerApps (Docker layout)")
+    up.add_argument("--superexec", choices=SUPEREXECS, default="flower",
+                    help="the nodes' SuperExec with process isolation: flower (default) = flower-superexec, a new "
+                         "flwr-clientapp interpreter per message; preforked = client/preforked_superexec.py, each "
+                         "ClientApp forked from a forkserver with Flower preloaded (implies --isolation process)")
     up.add_argument("--connection", default=DEFAULT_CONNECTION)
     up.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
                     help="extra node config for every node, e.g. torch-threads=1 (repeatable)")  # fmt: skip
@@ -1490,9 +1530,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _up_isolation(isolation: str | None, superexec: str) -> str:
+    """``up``'s isolation: ``--isolation`` if given, else ``process`` for ``--superexec preforked`` (it replaces
+    the separate SuperExec of process isolation) and ``subprocess`` otherwise."""
+    if superexec == "preforked" and isolation == "subprocess":
+        raise ValueError("--superexec preforked needs --isolation process (with subprocess isolation each "
+                         "SuperNode starts flower-superexec itself)")
+    return isolation or ("process" if superexec == "preforked" else "subprocess")
+
+
 def _up(args: argparse.Namespace) -> int:
     if args.insecure and args.auth:
         print("--auth needs TLS: it cannot be combined with --insecure", file=sys.stderr)
+        return 2
+    try:
+        isolation = _up_isolation(args.isolation, args.superexec)
+    except ValueError as err:
+        print(err, file=sys.stderr)
         return 2
     dep = Deployment(
         args.nodes,
@@ -1505,7 +1559,8 @@ def _up(args: argparse.Namespace) -> int:
         fleet_port=args.fleet_port,
         control_port=args.control_port,
         node_port_base=args.node_port_base,
-        isolation=args.isolation,
+        isolation=isolation,
+        superexec=args.superexec,
         connection=args.connection,
         node_config=_parse_kv(args.node_config),
         node_configs=_parse_per_node(args.node_config_for),

@@ -1,0 +1,433 @@
+"""A drop-in ``flower-superexec`` that forks ClientApps from a warm forkserver instead of exec-ing them.
+
+Flower 1.39 runs every message in a new ``flwr-clientapp`` OS process: a fresh interpreter that first
+imports ``flwr.supernode.cli`` (about 1 CPU-second, most of it the SuperNode's database and web stack),
+then runs the ClientApp.  With ``--isolation process`` it is a separate ``flower-superexec`` process that
+starts them: it polls the SuperNode's Runtime API (``AcquireTask``) and hands each task to an *executor*
+(``SubprocessExecutor``: ``Popen([flwr-clientapp, --runtime-api-address, ..., --token, ...])``).
+
+``python -m client.preforked_superexec <flower-superexec arguments>`` runs Flower's own
+``flower_superexec()`` (same arguments, same polling loop, same logs) with one change: the executor is a
+:class:`PreforkedExecutor`.  For ``TaskType.CLIENT_APP`` it builds exactly the argument list
+``SubprocessExecutor`` would build and runs the same entry function, ``flwr.supernode.cli:flwr_clientapp``,
+with that ``sys.argv``, in a child forked from a multiprocessing *forkserver* that has already imported
+``flwr.supernode.cli``, ``flwr.supernode.runtime.run_clientapp`` and the third-party modules they pull in
+(numpy, pydantic, grpc, httpx).  A fork costs milliseconds instead of the import.
+
+- The forkserver is a fresh interpreter started once (``multiprocessing`` ``forkserver`` context); the
+  SuperExec itself is never forked (it runs threads: the HTTP client, the parent monitor).  torch is not
+  preloaded (``client/app.py`` does not import it; a ClientApp that computes in-process imports it itself).
+- Nothing of this project is preloaded: the ClientApp is imported from the FAB that Flower installs, as in
+  ``flwr-clientapp``.  ``multiprocessing`` imports this module in the child to find the child's function;
+  the child removes this package from ``sys.modules`` again before it runs the entry function, so the
+  FAB's ``client`` package is the one ``load_app`` imports.
+- The child closes the forkserver's and the resource tracker's inherited pipe ends and starts like a
+  fresh ``flwr-clientapp``: same argv, environment, working directory, stdin (/dev/null; Deployment gives
+  the SuperExec the same), stdout/stderr (the SuperExec's, or /dev/null if ``spec.suppress_output``).
+  It gets ``--parent-pid <SuperExec pid>`` like any ClientApp, so it exits when the SuperExec dies.
+- Other task types (ServerApp, ...) go to the normal subprocess launch.  If the forkserver cannot start,
+  or a fork request raises, that task is launched as a subprocess with one WARNING (no task is lost);
+  after :data:`MAX_CONSECUTIVE_FAILURES` failed forks in a row every later task is a subprocess.
+- ``reconcile()`` (called by Flower's loop before every poll) drops the records of finished children (the
+  forkserver reaps them, so there are no zombies); ``close()`` never waits for running children.
+
+Installation into Flower: :func:`install` replaces the module-level name
+``flwr.supercore.superexec.run_superexec.get_executor`` (looked up by ``run_superexec`` at call time) with
+a function that returns a :class:`PreforkedExecutor` for ``ExecutorType.SUBPROCESS`` and delegates every
+other executor type to Flower's.  It checks the Flower version (1.39.x) and every attribute it relies on;
+if one is missing it logs one warning and :func:`main` runs plain ``flower_superexec()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperExec's own lines
+
+SUPPORTED_FLWR = "1.39."
+#: The console script ``flwr-clientapp`` (flwr's entry_points.txt).
+CLIENTAPP_ENTRY = "flwr.supernode.cli:flwr_clientapp"
+#: Imported once in the forkserver.  ``flwr.supernode.cli`` already imports numpy, pydantic, grpc and httpx;
+#: they are listed so that a change in Flower's imports does not silently make every fork import them.
+#: (A name that fails to import is skipped by the forkserver.)
+PRELOAD: tuple[str, ...] = (
+    "flwr.supernode.cli",
+    "flwr.supernode.runtime.run_clientapp",
+    "numpy",
+    "pydantic",
+    "grpc",
+    "httpx",
+    # what the child itself imports to unpickle its function (this module's Flower imports)
+    "flwr.supercore.superexec.executor",
+)
+#: After this many failed fork requests in a row, every later ClientApp is started as a subprocess.
+MAX_CONSECUTIVE_FAILURES = 3
+#: The top-level package of this module (removed from ``sys.modules`` in the child, see module doc).
+_OWN_PACKAGE = (__spec__.name if __spec__ is not None else __name__).split(".")[0]
+
+try:  # guarded: with another Flower, main() still runs plain flower_superexec()
+    from flwr.supercore.constant import (
+        TASK_TYPE_TO_APPIO_API_ADDRESS_ARG,
+        TASK_TYPE_TO_COMMAND,
+        ExecutorType,
+        TaskType,
+    )
+    from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, SubprocessExecutor
+
+    _FLOWER_IMPORT_ERROR: BaseException | None = None
+except ImportError as _err:  # pragma: no cover - only with an incompatible Flower
+    _FLOWER_IMPORT_ERROR = _err
+    SubprocessExecutor = object  # type: ignore[assignment,misc]
+
+
+# ============================================================================================ the argv
+
+
+def clientapp_argv(spec: ExecutionSpec) -> list[str]:
+    """The argument list ``SubprocessExecutor.launch`` (Flower 1.39) builds for ``spec``."""
+    args = [
+        TASK_TYPE_TO_COMMAND[spec.task_type],
+        TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[spec.task_type],
+        spec.runtime_api_address,
+        "--token",
+        spec.token,
+    ]
+    if spec.insecure:
+        args.append("--insecure")
+    elif spec.root_certificates_path is not None:
+        args.extend(["--root-certificates", spec.root_certificates_path])
+    if spec.parent_pid is not None:
+        args.extend(["--parent-pid", str(spec.parent_pid)])
+    if spec.runtime_dependency_install:
+        args.append("--allow-runtime-dependency-installation")
+    return args
+
+
+# ============================================================================================ the child
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _detach_from_forkserver() -> None:
+    """Close the pipe ends a forkserver child inherits (the forkserver's 'alive' pipe, the resource
+    tracker's), so that the forkserver's and the tracker's lifetimes are the SuperExec's, not the
+    ClientApps'; a ClientApp that uses multiprocessing itself starts its own, like a fresh process."""
+    from multiprocessing import forkserver, resource_tracker
+
+    fs = getattr(forkserver, "_forkserver", None)
+    fd = getattr(fs, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        fs._forkserver_alive_fd = None  # type: ignore[union-attr]
+    if fs is not None:
+        fs._forkserver_address = None
+        fs._forkserver_pid = None
+        fs._inherited_fds = None
+    rt = getattr(resource_tracker, "_resource_tracker", None)
+    fd = getattr(rt, "_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        rt._fd = None  # type: ignore[union-attr]
+        rt._pid = None  # type: ignore[union-attr]
+
+
+def _forget_own_package() -> None:
+    """Drop this project's package, imported only to unpickle the child's function, from ``sys.modules``:
+    ``flwr``'s ``load_app`` must import the ClientApp from the FAB directory it puts first on ``sys.path``
+    (as in ``flwr-clientapp``), not find the SuperExec's copy already imported."""
+    for name in [n for n in sys.modules if n == _OWN_PACKAGE or n.startswith(_OWN_PACKAGE + ".")]:
+        del sys.modules[name]
+
+
+def _child_main(entry: str, argv: Sequence[str], suppress_output: bool) -> None:
+    """Runs in the forked child: become ``argv[0]`` with ``argv`` and call ``entry`` (``module:function``)."""
+    _detach_from_forkserver()
+    _forget_own_package()
+    if suppress_output:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    sys.argv = list(argv)
+    _resolve(entry)()
+
+
+# ============================================================================================ forkserver
+
+
+def _stop_helper_process(obj: Any, fd_attr: str, pid_attr: str, timeout: float) -> None:
+    """Stop a multiprocessing helper (forkserver / resource tracker) we own: close our end of its 'alive'
+    pipe, wait up to ``timeout`` for it to exit, then SIGKILL it.  Never blocks longer than that."""
+    fd, pid = getattr(obj, fd_attr, None), getattr(obj, pid_attr, None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        setattr(obj, fd_attr, None)
+    if pid is None:
+        return
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+    except (ChildProcessError, ProcessLookupError):
+        pass
+    setattr(obj, pid_attr, None)
+
+
+def stop_forkserver(timeout: float = 5.0) -> None:
+    """Stop this process's multiprocessing forkserver (if it runs).  Its running children keep running.
+
+    Flower calls ``close()`` from its SIGTERM handler, which may interrupt a fork request that holds the
+    forkserver's lock: then (lock not free within 1 s) nothing is done, and the forkserver exits by itself
+    when this process does (its 'alive' pipe closes)."""
+    from multiprocessing import forkserver
+
+    fs = getattr(forkserver, "_forkserver", None)
+    if fs is None or getattr(fs, "_forkserver_pid", None) is None:
+        return
+    if not fs._lock.acquire(timeout=1.0):
+        return
+    try:
+        _stop_helper_process(fs, "_forkserver_alive_fd", "_forkserver_pid", timeout)
+        fs._forkserver_address = None  # Linux: an abstract socket, nothing to unlink
+    finally:
+        fs._lock.release()
+
+
+def _resource_tracker_pid() -> int | None:
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+
+
+def _stop_resource_tracker(timeout: float = 5.0) -> None:
+    from multiprocessing import resource_tracker
+
+    rt = getattr(resource_tracker, "_resource_tracker", None)
+    if rt is None or getattr(rt, "_pid", None) is None or not rt._lock.acquire(timeout=1.0):
+        return
+    try:
+        _stop_helper_process(rt, "_fd", "_pid", timeout)
+    finally:
+        rt._lock.release()
+
+
+def _untrack(proc: multiprocessing.process.BaseProcess) -> None:
+    """Take ``proc`` out of multiprocessing's list of this process's children: its atexit handler joins
+    every non-daemon child, which would keep a stopping SuperExec waiting for its running ClientApps (they
+    exit by themselves once the SuperExec is gone: ``--parent-pid``).  :meth:`PreforkedExecutor.reconcile`
+    tracks them instead."""
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.discard(proc)
+
+
+# ============================================================================================ the executor
+
+
+class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
+    """``SubprocessExecutor`` whose CLIENT_APP launches are forks of a warm forkserver (see module doc).
+
+    ``entry`` is the function the child calls (``module:function``; tests pass their own), ``preload`` the
+    forkserver's imports.  ``start=False`` defers starting the forkserver to the first CLIENT_APP launch.
+    """
+
+    def __init__(self, *, entry: str = CLIENTAPP_ENTRY, preload: Sequence[str] = PRELOAD, start: bool = True) -> None:
+        super().__init__()
+        self.entry = entry
+        self.preload = list(preload)
+        self.children: list[multiprocessing.process.BaseProcess] = []
+        self.forked = 0  # ClientApps started by a fork
+        self.fallbacks = 0  # ClientApps started as a subprocess after a failed fork
+        self._ctx: Any = None
+        self._failures = 0
+        self._disabled: str | None = None
+        self._owns_tracker = False
+        if start:
+            self.start_forkserver()
+
+    # ------------------------------------------------------------------------------------ forkserver
+    def start_forkserver(self) -> bool:
+        """Start the forkserver (the preload runs in it, concurrently).  False (and one WARNING) if it
+        cannot start: every ClientApp is then a subprocess."""
+        if self._disabled is not None:
+            return False
+        if self._ctx is not None:
+            return True
+        try:
+            from multiprocessing import forkserver
+
+            tracker_before = _resource_tracker_pid()
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(self.preload)
+            forkserver.ensure_running()
+            self._owns_tracker = tracker_before is None and _resource_tracker_pid() is not None
+        except Exception as err:  # noqa: BLE001 - any failure: Flower's subprocess launch instead
+            self._disabled = f"{type(err).__name__}: {err}"
+            log.warning("pgvi-superexec: the ClientApp forkserver could not start (%s); every ClientApp "
+                        "is started as a subprocess (flwr-clientapp)", self._disabled)
+            return False
+        self._ctx = ctx
+        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        log.info("pgvi-superexec: ClientApps are forked from a forkserver (pid %s) that preloads %s",
+                 pid, ", ".join(self.preload))
+        return True
+
+    @property
+    def active(self) -> bool:
+        """Whether CLIENT_APP tasks are (still) forked."""
+        return self._disabled is None
+
+    # ------------------------------------------------------------------------------------ executor protocol
+    def launch(self, spec: ExecutionSpec) -> LaunchResult:
+        if spec.task_type != TaskType.CLIENT_APP or not self.start_forkserver():
+            return super().launch(spec)
+        argv = clientapp_argv(spec)
+        try:
+            proc = self._ctx.Process(
+                target=_child_main,
+                args=(self.entry, argv, bool(spec.suppress_output)),
+                name=f"flwr-clientapp-task-{spec.task_id}",
+                daemon=False,  # a daemonic process could not start processes of its own
+            )
+            proc.start()
+        except Exception as err:  # noqa: BLE001 - never lose a task: start it the normal way
+            self._failures += 1
+            self.fallbacks += 1
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                self._disabled = f"{self._failures} failed forks in a row, the last {type(err).__name__}: {err}"
+            log.warning(
+                "pgvi-superexec: forking the ClientApp for task_id %d failed (%s: %s); starting it as a "
+                "subprocess%s", spec.task_id, type(err).__name__, err,
+                "; forking is now off for this SuperExec" if self._disabled else "",
+            )  # fmt: skip
+            return super().launch(spec)
+        self._failures = 0
+        self.forked += 1
+        _untrack(proc)
+        self.children.append(proc)
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        """Forget the children that have exited (the forkserver reaped them) and release their pipes."""
+        running = []
+        for proc in self.children:
+            try:
+                done = proc.exitcode is not None
+            except ValueError:  # already closed
+                continue
+            if done:
+                proc.close()
+            else:
+                running.append(proc)
+        self.children = running
+        super().reconcile()
+
+    def close(self) -> None:
+        """Release what the executor owns without waiting for running ClientApps (they exit by themselves
+        when the SuperExec is gone): stop the forkserver (bounded wait) and, if we started it, the
+        multiprocessing resource tracker."""
+        self.reconcile()
+        self.children = []  # running ones: their pipes close when the objects go
+        if self._ctx is not None:
+            stop_forkserver()
+            if self._owns_tracker:
+                _stop_resource_tracker()
+            self._ctx = None
+        super().close()
+
+
+# ============================================================================================ Flower hook
+
+
+def incompatibility() -> str | None:
+    """Why :func:`install` cannot patch this Flower, or None."""
+    if _FLOWER_IMPORT_ERROR is not None:
+        return f"cannot import Flower's executor API ({_FLOWER_IMPORT_ERROR})"
+    try:
+        version = importlib.metadata.version("flwr")
+    except importlib.metadata.PackageNotFoundError:
+        return "flwr is not installed"
+    if not version.startswith(SUPPORTED_FLWR):
+        return f"flwr {version} is not {SUPPORTED_FLWR}x"
+    try:
+        rs = importlib.import_module("flwr.supercore.superexec.run_superexec")
+        cli = importlib.import_module("flwr.supercore.cli")
+        entry = _resolve(CLIENTAPP_ENTRY)
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    missing = [name for obj, name in ((rs, "get_executor"), (rs, "run_superexec"), (cli, "flower_superexec"),
+                                      (SubprocessExecutor, "launch"), (SubprocessExecutor, "reconcile"))
+               if not callable(getattr(obj, name, None))]  # fmt: skip
+    if missing:
+        return f"Flower lacks {', '.join(missing)}"
+    if not callable(entry) or TASK_TYPE_TO_COMMAND.get(TaskType.CLIENT_APP) != "flwr-clientapp":
+        return "Flower's ClientApp command is not flwr-clientapp"
+    return None
+
+
+def install() -> bool:
+    """Make Flower's ``run_superexec`` use a :class:`PreforkedExecutor` for the subprocess executor.
+    False (after one WARNING) if this Flower is not the one this was written for; nothing is changed then."""
+    problem = incompatibility()
+    if problem is not None:
+        log.warning("pgvi-superexec: %s; running Flower's SuperExec unchanged (a new flwr-clientapp "
+                    "process per message)", problem)
+        return False
+    rs = importlib.import_module("flwr.supercore.superexec.run_superexec")
+    original = rs.get_executor
+    if getattr(original, "_pgvi_preforked", False):
+        return True
+
+    def get_executor(executor_type: Any, executor_config: Any = None, *, insecure: bool = False,
+                     root_certificates_path: str | None = None) -> Any:
+        if executor_type == ExecutorType.SUBPROCESS and executor_config is None:
+            return PreforkedExecutor()
+        return original(executor_type, executor_config, insecure=insecure,
+                        root_certificates_path=root_certificates_path)
+
+    get_executor._pgvi_preforked = True  # type: ignore[attr-defined]
+    get_executor._pgvi_original = original  # type: ignore[attr-defined]
+    rs.get_executor = get_executor
+    return True
+
+
+def main() -> None:
+    """``flower-superexec`` (same arguments), with forked ClientApps when this Flower allows it."""
+    install()
+    from flwr.supercore.cli import flower_superexec
+
+    flower_superexec()
+
+
+if __name__ == "__main__":
+    main()
