@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from common.errors import ImproperDistributionError, NonFiniteError, ShapeMismatchError
+from common.fast_math import all_finite
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -142,7 +143,7 @@ class GaussianFactor(ABC):
 
     def check_finite(self: F, what: str = "factor") -> F:
         for k, v in self.params.items():
-            if not torch.isfinite(v).all():
+            if not all_finite(v):
                 bad = int((~torch.isfinite(v)).sum())
                 raise NonFiniteError(f"{what}: '{k}' has {bad} non-finite entries")
         return self
@@ -260,7 +261,7 @@ class MeanFieldGaussian(GaussianFactor):
         problems = []
         for n in self.names:
             e1, e2 = self.params[f"eta1/{n}"].detach(), self.params[f"eta2/{n}"].detach()
-            if not (torch.isfinite(e1).all() and torch.isfinite(e2).all() and torch.isfinite(-2.0 * e2).all()):
+            if not (all_finite(e1) and all_finite(e2) and all_finite(-2.0 * e2)):
                 problems.append(f"'{n}' has non-finite natural parameters or precision")
                 continue
             bad = e2 >= 0

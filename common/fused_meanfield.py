@@ -33,25 +33,24 @@ BLOCK = 4096  # elements per partial sum and per thread-chunk boundary (a multip
 
 _C_SOURCE = r"""
 #define BLOCK 4096
-static inline float softplus_f(float x) {
-    /* max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's log(u) * t / (u - 1) */
-    float t = expf(-fabsf(x));
-    float u = 1.0f + t, d = u - 1.0f;
-    float l = d == 0.0f ? t : logf(u) * (t / d);
-    return (x > 0.0f ? x : 0.0f) + l;
-}
+/* s = softplus(x) + min_scale and ch = d(s^2)/dx = 2 s sigmoid(x), sharing exp(-|x|) */
+#define SCALE_AND_CHAIN(x, s, ch) do { \
+        float t_ = expf(-fabsf(x)), u_ = 1.0f + t_, d_ = u_ - 1.0f; \
+        (s) = ((x) > 0.0f ? (x) : 0.0f) + (d_ == 0.0f ? t_ : logf(u_) * (t_ / d_)) + min_scale; \
+        (ch) = 2.0f * (s) * ((x) > 0.0f ? 1.0f : t_) / u_; \
+    } while (0)
 static inline float log1p_f(float x) {
     float u = 1.0f + x, d = u - 1.0f;
     return d == 0.0f ? x : logf(u) * (x / d);
 }
 
-/* var[i] = (softplus(raw[i]) + min_scale)^2 for i in [lo, hi) (lo a multiple of BLOCK); partial[b] = sum of the
+/* var[i] = (softplus(raw[i]) + min_scale)^2 and chain[i] = d var[i] / d raw[i] for i in [lo, hi) (lo a multiple of BLOCK); partial[b] = sum of the
    divergence's terms (without the factor c) over block b = [b BLOCK, (b + 1) BLOCK) in [lo, hi); returns the
    number of Alpha-Renyi coordinates outside the domain.  Every block but the array's last is a whole number
    of vectors, so the results do not depend on how [0, n) is split over threads. */
 int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
                         const float *restrict lp, int64_t lo, int64_t hi, int kind, double alpha, float min_scale,
-                        float *restrict var, double *restrict partial) {
+                        float *restrict var, float *restrict chain, double *restrict partial) {
     int64_t nbad = 0;
     float c1 = (float)(1.0 - alpha), inv_aa = kind == 2 ? (float)(1.0 / (alpha * (alpha - 1.0))) : 0.0f;
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
@@ -61,7 +60,9 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
         if (kind == 0) {
             #pragma omp simd reduction(+:acc)
             for (int64_t i = b0; i < b1; i++) {
-                float s = softplus_f(raw[i]) + min_scale;
+                float s, ch;
+                SCALE_AND_CHAIN(raw[i], s, ch);
+                chain[i] = ch;
                 float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f;
                 var[i] = v;
                 acc += (double)(u - log1p_f(u) + l * d * d);
@@ -69,7 +70,9 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
         } else if (kind == 1) {
             #pragma omp simd reduction(+:acc)
             for (int64_t i = b0; i < b1; i++) {
-                float s = softplus_f(raw[i]) + min_scale;
+                float s, ch;
+                SCALE_AND_CHAIN(raw[i], s, ch);
+                chain[i] = ch;
                 float v = s * s, l = lp[i], d = loc[i] - mp[i], w = 1.0f / (l * v) - 1.0f;
                 var[i] = v;
                 acc += (double)(w - log1p_f(w) + d * d / v);
@@ -77,7 +80,9 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
         } else {
             #pragma omp simd reduction(+:acc, nbad)
             for (int64_t i = b0; i < b1; i++) {
-                float s = softplus_f(raw[i]) + min_scale;
+                float s, ch;
+                SCALE_AND_CHAIN(raw[i], s, ch);
+                chain[i] = ch;
                 float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f, a = c1 * u;
                 var[i] = v;
                 nbad += (1.0f + a > 0.0f) ? 0 : 1;
@@ -89,17 +94,15 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
     return nbad;
 }
 
-/* gloc[i] = g_div dD/dm, graw[i] = (gvar[i] + g_div dD/dv) 2 sigma sigmoid(raw) for i in [lo, hi); gvar may be
-   NULL (no loss gradient w.r.t. v) */
-void pgvi_mf_backward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
-                      const float *restrict lp, const float *restrict gvar, float g_div, int64_t lo, int64_t hi,
-                      int kind, float alpha, float min_scale, float *restrict gloc, float *restrict graw) {
+/* gloc[i] = g_div dD/dm, graw[i] = (gvar[i] + g_div dD/dv) chain[i] for i in [lo, hi), with var and chain from
+   pgvi_mf_forward; gvar may be NULL (no loss gradient w.r.t. v) */
+void pgvi_mf_backward(const float *restrict loc, const float *restrict var, const float *restrict chain,
+                      const float *restrict mp, const float *restrict lp, const float *restrict gvar, float g_div,
+                      int64_t lo, int64_t hi, int kind, float alpha, float *restrict gloc, float *restrict graw) {
     float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
     #pragma omp simd
     for (int64_t i = lo; i < hi; i++) {
-        float x = raw[i];
-        float s = softplus_f(x) + min_scale;
-        float v = s * s, l = lp[i], d = loc[i] - mp[i], dm, dv;
+        float v = var[i], l = lp[i], d = loc[i] - mp[i], dm, dv;
         if (kind == 0) {
             dm = 2.0f * l * d;
             dv = l - 1.0f / v;
@@ -113,9 +116,8 @@ void pgvi_mf_backward(const float *restrict loc, const float *restrict raw, cons
             dv = -c1 * t * t + l * (inv1a - 1.0f / (u + 1.0f)) * inv_alpha;
         }
         float gv = (gvar ? gvar[i] : 0.0f) + g_div * dv;
-        float sig = 1.0f / (1.0f + expf(-x));
         gloc[i] = g_div * dm;
-        graw[i] = gv * 2.0f * s * sig;
+        graw[i] = gv * chain[i];
     }
 }
 """
@@ -129,8 +131,9 @@ def _self_check(lib: ctypes.CDLL) -> None:
     lam = torch.ones(64)
     var = torch.empty(64)
     partial = torch.zeros(1, dtype=torch.float64)
+    chain = torch.empty(64)
     lib.pgvi_mf_forward(z.data_ptr(), z.data_ptr(), z.data_ptr(), lam.data_ptr(), 0, 64, 0, 1.0, 0.0, var.data_ptr(),
-                        partial.data_ptr())
+                        chain.data_ptr(), partial.data_ptr())
     total = float(partial[0])
     v = 0.6931471805599453**2
     want = 64 * (v - 1.0 - torch.log(torch.tensor(v, dtype=torch.float64)).item())
@@ -142,8 +145,8 @@ _NATIVE = NativeLibrary(
     "meanfield",
     _C_SOURCE,
     {
-        "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP], _I64),
-        "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _F32, _VP, _VP], None),
+        "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
+        "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _VP, _VP], None),
     },
     _self_check,
 )
@@ -166,20 +169,22 @@ class _VarianceAndDivergence(torch.autograd.Function):
         loc, raw = loc.detach().contiguous(), raw.detach().contiguous()
         n = loc.numel()
         var = torch.empty_like(loc)
+        chain = torch.empty_like(loc)  # d var / d raw, for the backward
         partial = np.zeros(-(-n // BLOCK), dtype=np.float64)
         bad = np.zeros(-(-n // BLOCK), dtype=np.int64)  # per chunk, indexed by the chunk's first block
 
         def fwd(lo: int, hi: int) -> None:
             bad[lo // BLOCK] = lib.pgvi_mf_forward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(),
                                                    lo, hi, kind, alpha, min_scale, var.data_ptr(),
-                                                   partial.ctypes.data)
+                                                   chain.data_ptr(), partial.ctypes.data)
 
         if n:
             run_chunks(fwd, n, align=BLOCK)
         total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
         n_bad = int(bad.sum())
-        ctx.save_for_backward(loc, raw, mean_p, lam_p)
-        ctx.kind, ctx.alpha, ctx.c, ctx.min_scale = kind, alpha, c, min_scale
+        ctx.save_for_backward(loc, mean_p, lam_p, var)  # var is an output: saved with its version check
+        ctx.chain = chain
+        ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
         ctx.set_materialize_grads(False)
         value = torch.tensor(c * total, dtype=loc.dtype)
         n_bad_t = torch.tensor(n_bad, dtype=torch.int64)
@@ -190,16 +195,17 @@ class _VarianceAndDivergence(torch.autograd.Function):
     def backward(ctx, g_var: Tensor | None, g_value: Tensor | None, _g_bad: Tensor | None):  # type: ignore[override]
         lib = _NATIVE.get()
         assert lib is not None
-        loc, raw, mean_p, lam_p = ctx.saved_tensors
+        loc, mean_p, lam_p, var = ctx.saved_tensors
+        chain = ctx.chain
         gv = None if g_var is None else g_var.contiguous()
         g_div = 0.0 if g_value is None else float(g_value) * ctx.c
         g_loc = torch.empty_like(loc)
-        g_raw = torch.empty_like(raw)
+        g_raw = torch.empty_like(loc)
 
         def bwd(lo: int, hi: int) -> None:
-            lib.pgvi_mf_backward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(),
-                                 None if gv is None else gv.data_ptr(), g_div, lo, hi, ctx.kind, ctx.alpha,
-                                 ctx.min_scale, g_loc.data_ptr(), g_raw.data_ptr())
+            lib.pgvi_mf_backward(loc.data_ptr(), var.data_ptr(), chain.data_ptr(), mean_p.data_ptr(),
+                                 lam_p.data_ptr(), None if gv is None else gv.data_ptr(), g_div, lo, hi, ctx.kind,
+                                 ctx.alpha, g_loc.data_ptr(), g_raw.data_ptr())
 
         run_chunks(bwd, loc.numel(), align=BLOCK)
         return g_loc, g_raw, None, None, None, None, None, None

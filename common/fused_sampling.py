@@ -9,9 +9,11 @@ the forward and backward passes.  :func:`sample_relu` does the forward in one pa
 (ReLU mask, the sum over samples for ``mu`` and the ``eps``-weighted sum for the scale) in another, with a
 counter-based generator that vectorises:
 
-* ``eps`` number ``i`` of sample ``s`` is lane ``i mod 4`` of Philox4x32-10 (Salmon et al., SC 2011; the
-  generator of JAX and of torch's CUDA backend) at counter ``(i div 4, s, 0, 0)`` under a 64-bit key,
-  turned into normals by the Box-Muller transform (radius from a 23-bit uniform in ``[2^-24, 1 - 2^-24]``,
+* ``eps`` of sample ``s`` comes from Philox4x32-10 (Salmon et al., SC 2011; the generator of JAX and of
+  torch's CUDA backend) at the counters ``(b, s, 0, 0)`` under a 64-bit key, in tiles of 256 counters: number
+  ``i = 1024 t + 256 j + c`` uses words ``2 (j div 2)`` and ``2 (j div 2) + 1`` of counter ``256 t + c``,
+  turned into normals by the Box-Muller transform (cosine for even ``j``, sine for odd ``j``; radius from a
+  23-bit uniform in ``[2^-24, 1 - 2^-24]``,
   angle from a 24-bit one), so ``|eps| <= sqrt(2 log 2^24) = 5.77``: the mass beyond is ``8e-9``;
 * the key is drawn from the caller's ``torch.Generator`` (one draw per call), so a seeded generator gives
   the same samples whatever the number of threads.
@@ -39,34 +41,65 @@ PHILOX_SOURCE = r"""
 #define U24 5.9604644775390625e-08f /* 2^-24 */
 #define U23 1.1920928955078125e-07f /* 2^-23 */
 
-/* z[0 .. 4 NB): the normals of Philox blocks b0 .. b0+NB-1 of stream s under key (k0, k1).  Always a whole
-   tile: the vector loops then have no scalar remainder, whose libm results could differ from libmvec's in
-   the last bit, so a number depends only on (key, stream, index), not on the length asked for. */
-static void philox_normals(float *restrict z, uint32_t b0, uint32_t s, uint32_t k0, uint32_t k1) {
-    const int64_t nb = NB;
-    float ra[NB], ta[NB], rb[NB], tb[NB];
-    #pragma omp simd
-    for (int64_t b = 0; b < nb; b++) {
-        uint32_t x0 = b0 + (uint32_t)b, x1 = s, x2 = 0, x3 = 0, kk0 = k0, kk1 = k1;
+#define PV 16 /* Philox blocks per vector */
+typedef uint32_t pv32 __attribute__((vector_size(4 * PV)));
+typedef uint64_t pv64 __attribute__((vector_size(4 * PV)));
+typedef int32_t pvi32 __attribute__((vector_size(4 * PV)));
+typedef float pvf __attribute__((vector_size(4 * PV)));
+
+/* high 32 bits of the 64-bit products a_i m, by two widening multiplies of the even and the odd lanes
+   (vpmuludq on x86-64) instead of 64-bit lanes (vpmullq) */
+static inline pv32 mulhi32(pv32 a, uint32_t m) {
+    const pv64 low = (pv64){0} + 0xFFFFFFFFull, mm = (pv64){0} + (uint64_t)m;
+    pv64 even = ((pv64)a & low) * mm, odd = ((pv64)a >> 32) * mm;
+    return (pv32)((even >> 32) | (odd & ~low));
+}
+
+/* Philox4x32-10 (Salmon et al. 2011) of the NB counters (b0 + b, s, 0, 0), b < NB, under key (k0, k1):
+   word j of block b in w[j NB + b] */
+static void philox_tile(uint32_t *restrict w, uint32_t b0, uint32_t s, uint32_t k0, uint32_t k1) {
+    pv32 iota;
+    for (int i = 0; i < PV; i++) iota[i] = (uint32_t)i;
+    for (int64_t b = 0; b < NB; b += PV) {
+        pv32 x0 = iota + (b0 + (uint32_t)b), x1 = (pv32){0} + s, x2 = (pv32){0}, x3 = (pv32){0};
+        uint32_t kk0 = k0, kk1 = k1;
         for (int r = 0; r < 10; r++) {
-            uint64_t p0 = (uint64_t)0xD2511F53u * x0, p1 = (uint64_t)0xCD9E8D57u * x2;
-            uint32_t y0 = (uint32_t)(p1 >> 32) ^ x1 ^ kk0, y1 = (uint32_t)p1;
-            uint32_t y2 = (uint32_t)(p0 >> 32) ^ x3 ^ kk1, y3 = (uint32_t)p0;
-            x0 = y0; x1 = y1; x2 = y2; x3 = y3;
+            pv32 hi0 = mulhi32(x0, 0xD2511F53u), lo0 = x0 * 0xD2511F53u;
+            pv32 hi1 = mulhi32(x2, 0xCD9E8D57u), lo1 = x2 * 0xCD9E8D57u;
+            x0 = hi1 ^ x1 ^ kk0; x1 = lo1; x2 = hi0 ^ x3 ^ kk1; x3 = lo0;
             kk0 += 0x9E3779B9u; kk1 += 0xBB67AE85u;
         }
+        memcpy(w + b, &x0, sizeof x0); memcpy(w + NB + b, &x1, sizeof x1);
+        memcpy(w + 2 * NB + b, &x2, sizeof x2); memcpy(w + 3 * NB + b, &x3, sizeof x3);
+    }
+}
+
+/* the raw words of one tile (for the known-answer test) */
+void pgvi_philox_raw(uint32_t *w, uint32_t b0, uint32_t s, uint32_t k0, uint32_t k1) { philox_tile(w, b0, s, k0, k1); }
+
+/* z[0 .. 4 NB): the normals of Philox blocks b0 .. b0+NB-1 of stream s under key (k0, k1): z[j NB + b] comes from
+   words 2 (j / 2) and 2 (j / 2) + 1 of block b (cos for even j, sin for odd j).  Always a whole tile: the vector
+   loops then have no scalar remainder, whose libm results could differ from libmvec's in the last bit, so a
+   number depends only on (key, stream, index), not on the length asked for. */
+static void philox_normals(float *restrict z, uint32_t b0, uint32_t s, uint32_t k0, uint32_t k1) {
+    const int64_t nb = NB;
+    uint32_t w[4 * NB];
+    float ra[NB], ta[NB], rb[NB], tb[NB];
+    philox_tile(w, b0, s, k0, k1);
+    #pragma omp simd
+    for (int64_t b = 0; b < nb; b++) {
         /* (k + 1/2) 2^-23 for a 23-bit k: exact in float, in [2^-24, 1 - 2^-24], so log < 0 is finite */
-        ra[b] = ((float)(x0 >> 9) + 0.5f) * U23;
-        ta[b] = (float)(x1 >> 8) * U24 * TWO_PI;
-        rb[b] = ((float)(x2 >> 9) + 0.5f) * U23;
-        tb[b] = (float)(x3 >> 8) * U24 * TWO_PI;
+        ra[b] = ((float)(int32_t)(w[b] >> 9) + 0.5f) * U23;
+        ta[b] = (float)(int32_t)(w[NB + b] >> 8) * U24 * TWO_PI;
+        rb[b] = ((float)(int32_t)(w[2 * NB + b] >> 9) + 0.5f) * U23;
+        tb[b] = (float)(int32_t)(w[3 * NB + b] >> 8) * U24 * TWO_PI;
     }
     #pragma omp simd
     for (int64_t b = 0; b < nb; b++) { ra[b] = sqrtf(-2.0f * logf(ra[b])); rb[b] = sqrtf(-2.0f * logf(rb[b])); }
     #pragma omp simd
-    for (int64_t b = 0; b < nb; b++) { z[4 * b] = ra[b] * cosf(ta[b]); z[4 * b + 2] = rb[b] * cosf(tb[b]); }
+    for (int64_t b = 0; b < nb; b++) { z[b] = ra[b] * cosf(ta[b]); z[2 * NB + b] = rb[b] * cosf(tb[b]); }
     #pragma omp simd
-    for (int64_t b = 0; b < nb; b++) { z[4 * b + 1] = ra[b] * sinf(ta[b]); z[4 * b + 3] = rb[b] * sinf(tb[b]); }
+    for (int64_t b = 0; b < nb; b++) { z[NB + b] = ra[b] * sinf(ta[b]); z[3 * NB + b] = rb[b] * sinf(tb[b]); }
 }
 
 """
@@ -182,6 +215,7 @@ _NATIVE = NativeLibrary(
     _C_SOURCE,
     {
         "pgvi_normals": ([_VP, _I64, _U32, _U32, _U32], None),
+        "pgvi_philox_raw": ([_VP, _U32, _U32, _U32, _U32], None),
         "pgvi_relu_sample_fwd": ([_VP, _VP, _I64, _I64, _I64, _U32, _U32, _VP, _VP, _VP], None),
         "pgvi_relu_sample_bwd": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP], None),
         "pgvi_relu_sample_bwd_linear": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP],
@@ -361,6 +395,17 @@ def sample_relu_linear(
     return _SampleReLULinear.apply(mu, sd, w_mean, b_mean, w_var, b_var, int(n_samples), k0, k1)
 
 
+def philox_words(block0: int, stream: int, key: int) -> Tensor:
+    """The raw Philox4x32-10 output of the 256 counters ``(block0 + c, stream, 0, 0)`` under ``key``: an
+    int64 tensor ``(4, 256)`` holding word ``j`` of counter ``c`` at ``[j, c]`` (for the known-answer test)."""
+    lib = _NATIVE.get()
+    if lib is None:
+        raise RuntimeError("fused sampling kernels are not available")
+    out = torch.empty(4 * 256, dtype=torch.int32)
+    lib.pgvi_philox_raw(out.data_ptr(), block0, stream, *_split_key(key))
+    return out.view(4, 256).to(torch.int64) & 0xFFFFFFFF
+
+
 def standard_normal(n: int, stream: int, key: int) -> Tensor:
     """``n`` standard normals of the compiled generator's ``stream`` under the 64-bit ``key`` (for tests:
     the same numbers :func:`sample_relu` uses as ``eps`` of sample ``stream``)."""
@@ -372,4 +417,4 @@ def standard_normal(n: int, stream: int, key: int) -> Tensor:
     return out
 
 
-__all__ = ["MAX_FOLDED_WIDTH", "PHILOX_SOURCE", "applies_to", "available", "sample_relu", "sample_relu_linear", "standard_normal"]
+__all__ = ["MAX_FOLDED_WIDTH", "PHILOX_SOURCE", "philox_words", "applies_to", "available", "sample_relu", "sample_relu_linear", "standard_normal"]

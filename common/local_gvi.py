@@ -61,7 +61,7 @@ from common.errors import DivergenceUndefinedError, ImproperDistributionError, N
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common import fused_meanfield
 from common.adam import Adam
-from common.fast_math import log1p
+from common.fast_math import all_finite, log1p
 from common.quadratic import QuadraticLoss
 from common.variational import DEFAULT_MIN_SCALE, MeanFieldVariational, VariationalGaussian, variational_for
 
@@ -614,7 +614,7 @@ def local_gvi(
             (expected + div).backward()
             optimiser.step()
         for p in q.parameters():
-            if not bool(torch.isfinite(p).all()):
+            if not all_finite(p):
                 raise NonFiniteError(f"local_gvi: non-finite variational parameters after epoch {epoch}")
         value = obj.evaluate(q) if config.objective_estimate == "end_of_epoch" else float(np.mean(running))
         trace.append(value)
@@ -695,7 +695,7 @@ def _polish(q: VariationalGaussian, obj: _Objective, config: LocalGVIConfig) -> 
 
     try:
         lbfgs.step(closure)
-        if not all(bool(torch.isfinite(p).all()) for p in q.parameters()):
+        if not all(all_finite(p) for p in q.parameters()):
             return None
         return obj.evaluate(q)
     except (PGVIError, ImproperDistributionError):

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
-from common.fast_math import softplus
+from common.fast_math import all_finite, softplus
 
 DEFAULT_MIN_SCALE = 1e-8
 
@@ -47,7 +47,7 @@ def _check_min_scale(min_scale: float) -> float:
 
 
 def _raw_from_scale(scale: Tensor, min_scale: float, what: str) -> Tensor:
-    if not bool(torch.isfinite(scale).all()):
+    if not all_finite(scale):
         raise ValueError(f"{what}: non-finite scale")
     if not bool((scale > min_scale).all()):
         smallest = float(scale.min())

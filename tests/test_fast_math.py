@@ -60,3 +60,19 @@ def test_default_path_takes_the_rewrite_only_where_torch_is_slow() -> None:
     assert not fast_math._use_rewrite(big.double(), None)
     assert not fast_math._use_rewrite(big[:10], None)
     assert not fast_math._use_rewrite(big.double(), True)  # float64 is always torch's own op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_finite_equals_the_elementwise_test(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    cases = [torch.zeros(0, dtype=dtype), torch.randn(5000, dtype=dtype), torch.full((3000,), big, dtype=dtype)]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(5000, dtype=dtype)
+        t[1234] = bad
+        cases.append(t)
+    both = torch.randn(10, dtype=dtype)
+    both[2], both[7] = float("inf"), -float("inf")  # sum is NaN
+    cases.append(both)
+    for t in cases:  # the all-max case: a finite tensor whose sum overflows
+        assert fast_math.all_finite(t) == bool(torch.isfinite(t).all())
+    assert fast_math.all_finite(torch.arange(5))
