@@ -2,7 +2,8 @@
 
 A :class:`NativeLibrary` holds one C source and the signatures of its functions.  :meth:`NativeLibrary.get`
 compiles it once per process with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) and
-``-O3 -march=native -fno-math-errno -fopenmp-simd`` into a per-user cache: ``$PGVI_KERNEL_CACHE``, else
+``-O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd`` (``-march`` from ``$PGVI_KERNEL_MARCH``
+where set) into a per-user cache: ``$PGVI_KERNEL_CACHE``, else
 ``$XDG_CACHE_HOME/pgvi-kernels``, else ``~/.cache/pgvi-kernels``.  The file name carries a hash of the source,
 the flags, the compiler's version and the CPU's flags, so a changed source or another CPU model gets its own
 build; concurrent builders each rename a complete file into place.  The cache must be a directory owned by
@@ -34,7 +35,18 @@ import torch
 
 _LOG = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared"]
+#: ``-fno-trapping-math`` lets GCC if-convert ``x < 0 ? 0 : x`` and the other float selects of the kernels into
+#: vector blends; without it, on a CPU without AVX-512's masked compares (e.g. AVX2 only), those loops stay
+#: scalar and the kernels ran 3-20x slower than torch.  Values are unchanged (IEEE results, NaN and inf kept);
+#: only floating-point exception flags, which nothing here reads, may differ.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-fPIC", "-shared"]
+
+
+def compile_flags() -> list[str]:
+    """:data:`FLAGS` with ``-march=$PGVI_KERNEL_MARCH`` where that is set (e.g. ``x86-64-v3`` to build the AVX2
+    code paths on an AVX-512 machine, as the tests do; or a fleet's lowest common CPU)."""
+    march = os.environ.get("PGVI_KERNEL_MARCH", "").strip()
+    return [f"-march={march}" if f.startswith("-march=") and march else f for f in FLAGS]
 
 #: Prepended to every source: glibc's libmvec has vector variants of these functions on x86-64; declaring
 #: them lets ``#pragma omp simd`` loops that call them vectorise (elsewhere the loops stay scalar).
@@ -98,9 +110,9 @@ def compile_library(name: str, source: str) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (set $CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    full = PRELUDE + source
+    full, flags = PRELUDE + source, compile_flags()
     key = hashlib.sha256(
-        "\0".join([full, " ".join(FLAGS), version, platform.machine(), _cpu_flags()]).encode()
+        "\0".join([full, " ".join(flags), version, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:20]
     cache = cache_dir()
     if not _private_dir(cache):
@@ -111,7 +123,7 @@ def compile_library(name: str, source: str) -> Path:
             src = Path(tmp) / f"pgvi_{name}.c"
             src.write_text(full, encoding="utf-8")
             out = Path(tmp) / so.name
-            proc = subprocess.run([cc, *FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
+            proc = subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -182,5 +194,5 @@ def run_chunks(fn: Callable[[int, int], None], total: int, align: int = 1) -> No
         f.result()
 
 
-__all__ = ["FLAGS", "PRELUDE", "NativeLibrary", "cache_dir", "compile_library", "disabled_by_environment",
+__all__ = ["FLAGS", "PRELUDE", "NativeLibrary", "cache_dir", "compile_flags", "compile_library", "disabled_by_environment",
            "run_chunks"]

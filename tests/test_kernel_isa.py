@@ -1,0 +1,101 @@
+"""The compiled kernels on every x86-64 instruction-set level they have a code path for.
+
+The C sources choose their vector widths and the Philox multiply by the target's ISA (``__AVX512F__``,
+``__AVX2__``, neither: the generic path that arm64 also takes).  A test run only ever builds the machine's own
+path, so here the kernel test modules run again in fresh interpreters with ``PGVI_KERNEL_MARCH`` set to the
+baseline ``x86-64`` (SSE2: generic path) and ``x86-64-v3`` (AVX2 without AVX-512), each with its own kernel
+cache; and the generator's raw words and normals are compared across the builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import native
+
+ROOT = Path(__file__).resolve().parents[1]
+MARCHES = ["x86-64", "x86-64-v3"]
+#: the kernel tests that compare with torch formulas, closed forms and the reference Philox; the compiler-missing,
+#: fork and cache tests do not depend on the ISA and are left to their own modules.
+SELECT = "not compiler and not disabled and not fork and not shared_cache"
+
+
+def _cc_supports(march: str) -> bool:
+    cc = native._compiler()  # noqa: SLF001
+    if cc is None:
+        return False
+    proc = subprocess.run([cc, f"-march={march}", "-x", "c", "-E", "-"], input="", capture_output=True, text=True,
+                          timeout=60)
+    return proc.returncode == 0
+
+
+pytestmark = [
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels"),
+    pytest.mark.skipif(native.disabled_by_environment(), reason="kernels disabled"),
+]
+
+
+def _env(march: str, cache: Path) -> dict[str, str]:
+    env = dict(os.environ, PGVI_KERNEL_MARCH=march, PGVI_KERNEL_CACHE=str(cache))
+    env.pop("PGVI_FUSED_KERNELS", None)
+    return env
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_kernel_tests_pass_when_built_for(march: str, tmp_path: Path) -> None:
+    if not _cc_supports(march):
+        pytest.skip(f"the C compiler does not know -march={march}")
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECT,
+         "tests/test_fused_sampling.py", "tests/test_fused_head.py", "tests/test_fused_meanfield.py"],
+        cwd=ROOT, env=_env(march, cache), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    built = sorted(p.name.split("_")[1] for p in cache.glob("pgvi_*.so"))
+    assert built == ["head", "meanfield", "sampling"], built
+
+
+_PROBE = r"""
+import json, torch
+from common import fused_sampling, native
+lib = fused_sampling._NATIVE.get()
+assert lib is not None
+w = torch.empty(4 * 256, dtype=torch.int32)
+lib.pgvi_philox_raw(w.data_ptr(), 7, 3, 0x12345678, 0x9ABCDEF0)
+z = fused_sampling.standard_normal(5000, 2, 123456789)
+print(json.dumps({"flags": native.compile_flags(), "raw": w.tolist(), "z": z.tolist()}))
+"""
+
+
+def test_generator_gives_the_same_numbers_on_every_isa(tmp_path: Path) -> None:
+    marches = [m for m in MARCHES if _cc_supports(m)] + ["native"]
+    out = {}
+    for march in marches:
+        cache = tmp_path / march
+        cache.mkdir(mode=0o700)
+        proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=_env(march, cache), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[march] = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert f"-march={march}" in out[march]["flags"]
+    base = out["native"]
+    for march in marches:
+        assert out[march]["raw"] == base["raw"], march  # the integer generator is exact
+        diff = max(abs(a - b) for a, b in zip(out[march]["z"], base["z"], strict=True))
+        assert diff <= 2e-6, (march, diff)  # libmvec's variants for each width may differ in the last bits
+
+
+def test_march_override_changes_the_build_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGVI_KERNEL_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in native.compile_flags() and "-march=native" not in native.compile_flags()
+    monkeypatch.delenv("PGVI_KERNEL_MARCH")
+    assert native.compile_flags() == native.FLAGS
