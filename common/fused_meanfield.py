@@ -33,60 +33,80 @@ BLOCK = 4096  # elements per partial sum and per thread-chunk boundary (a multip
 
 _C_SOURCE = r"""
 #define BLOCK 4096
-/* s = softplus(x) + min_scale and ch = d(s^2)/dx = 2 s sigmoid(x), sharing exp(-|x|) */
-#define SCALE_AND_CHAIN(x, s, ch) do { \
-        float t_ = expf(-fabsf(x)), u_ = 1.0f + t_, d_ = u_ - 1.0f; \
-        (s) = ((x) > 0.0f ? (x) : 0.0f) + (d_ == 0.0f ? t_ : logf(u_) * (t_ / d_)) + min_scale; \
-        (ch) = 2.0f * (s) * ((x) > 0.0f ? 1.0f : t_) / u_; \
-    } while (0)
-static inline float log1p_f(float x) {
-    float u = 1.0f + x, d = u - 1.0f;
-    return d == 0.0f ? x : logf(u) * (x / d);
-}
-
 /* var[i] = (softplus(raw[i]) + min_scale)^2 and chain[i] = d var[i] / d raw[i] for i in [lo, hi) (lo a multiple of BLOCK); partial[b] = sum of the
    divergence's terms (without the factor c) over block b = [b BLOCK, (b + 1) BLOCK) in [lo, hi); returns the
    number of Alpha-Renyi coordinates outside the domain.  Every block but the array's last is a whole number
-   of vectors, so the results do not depend on how [0, n) is split over threads. */
+   of vectors, so the results do not depend on how [0, n) is split over threads.
+   Each block runs in passes with one libm call each (exp, log of the softplus, log of the divergence's
+   argument(s)), through BLOCK-sized buffers: a vector libm call clobbers every vector register, and one loop
+   with three calls spilled and reloaded its whole state around each (2x slower on AVX2).  The arithmetic is
+   the single loop's, operation for operation: log1p_f(x) = log(1 + x) x / ((1 + x) - 1). */
+static inline float log1p_from(float x, float lg, float u) { /* lg = logf(u), u = 1 + x */
+    float d = u - 1.0f;
+    return d == 0.0f ? x : lg * (x / d);
+}
 int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
                         const float *restrict lp, int64_t lo, int64_t hi, int kind, double alpha, float min_scale,
                         float *restrict var, float *restrict chain, double *restrict partial) {
     int64_t nbad = 0;
     float c1 = (float)(1.0 - alpha), inv_aa = kind == 2 ? (float)(1.0 / (alpha * (alpha - 1.0))) : 0.0f;
+    float t[BLOCK], lg[BLOCK], x1[BLOCK], e1[BLOCK], x2[BLOCK], e2[BLOCK];
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
-        int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
+        int64_t n = (b0 + BLOCK < hi ? b0 + BLOCK : hi) - b0;
+        const float *rw = raw + b0, *l_ = lp + b0, *lc = loc + b0, *m_ = mp + b0;
+        float *vr = var + b0, *chn = chain + b0;
         double acc = 0.0;
-        /* one loop per kind: a branch inside the loop would keep it from vectorising */
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) t[i] = expf(-fabsf(rw[i]));
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) lg[i] = logf(1.0f + t[i]);
+        /* s = softplus(x) + min_scale (Goldberg's log1p of t), ch = d(s^2)/dx = 2 s sigmoid(x) */
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            float x = rw[i], t_ = t[i], u_ = 1.0f + t_;
+            float s = (x > 0.0f ? x : 0.0f) + log1p_from(t_, lg[i], u_) + min_scale;
+            chn[i] = 2.0f * s * (x > 0.0f ? 1.0f : t_) / u_;
+            vr[i] = s * s;
+        }
+        /* the argument(s) of the divergence's log1p: one loop per kind (a branch inside would keep it scalar) */
+        if (kind == 0) {
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) { x1[i] = l_[i] * vr[i] - 1.0f; e1[i] = 1.0f + x1[i]; }
+        } else if (kind == 1) {
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) { x1[i] = 1.0f / (l_[i] * vr[i]) - 1.0f; e1[i] = 1.0f + x1[i]; }
+        } else {
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) {
+                float u = l_[i] * vr[i] - 1.0f;
+                x1[i] = c1 * u; e1[i] = 1.0f + x1[i]; x2[i] = u; e2[i] = 1.0f + u;
+            }
+        }
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) t[i] = logf(e1[i]);
+        if (kind == 2) {
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) lg[i] = logf(e2[i]);
+        }
         if (kind == 0) {
             #pragma omp simd reduction(+:acc)
-            for (int64_t i = b0; i < b1; i++) {
-                float s, ch;
-                SCALE_AND_CHAIN(raw[i], s, ch);
-                chain[i] = ch;
-                float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f;
-                var[i] = v;
-                acc += (double)(u - log1p_f(u) + l * d * d);
+            for (int64_t i = 0; i < n; i++) {
+                float u = x1[i], d = lc[i] - m_[i];
+                acc += (double)(u - log1p_from(u, t[i], e1[i]) + l_[i] * d * d);
             }
         } else if (kind == 1) {
             #pragma omp simd reduction(+:acc)
-            for (int64_t i = b0; i < b1; i++) {
-                float s, ch;
-                SCALE_AND_CHAIN(raw[i], s, ch);
-                chain[i] = ch;
-                float v = s * s, l = lp[i], d = loc[i] - mp[i], w = 1.0f / (l * v) - 1.0f;
-                var[i] = v;
-                acc += (double)(w - log1p_f(w) + d * d / v);
+            for (int64_t i = 0; i < n; i++) {
+                float w = x1[i], d = lc[i] - m_[i];
+                acc += (double)(w - log1p_from(w, t[i], e1[i]) + d * d / vr[i]);
             }
         } else {
             #pragma omp simd reduction(+:acc, nbad)
-            for (int64_t i = b0; i < b1; i++) {
-                float s, ch;
-                SCALE_AND_CHAIN(raw[i], s, ch);
-                chain[i] = ch;
-                float v = s * s, l = lp[i], d = loc[i] - mp[i], u = l * v - 1.0f, a = c1 * u;
-                var[i] = v;
+            for (int64_t i = 0; i < n; i++) {
+                float a = x1[i], u = x2[i], d = lc[i] - m_[i];
                 nbad += (1.0f + a > 0.0f) ? 0 : 1;
-                acc += (double)(l * d * d / (1.0f + a) - (log1p_f(a) - c1 * log1p_f(u)) * inv_aa);
+                acc += (double)(l_[i] * d * d / (1.0f + a)
+                                - (log1p_from(a, t[i], e1[i]) - c1 * log1p_from(u, lg[i], e2[i])) * inv_aa);
             }
         }
         partial[b0 / BLOCK] = acc;
