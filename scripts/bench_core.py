@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import resource
 import sys
 import time
@@ -44,6 +45,7 @@ from common.divergences import make_divergence  # noqa: E402
 from common.families import MeanFieldGaussian  # noqa: E402
 from common.local_gvi import LocalGVIConfig, local_gvi  # noqa: E402
 from common.losses import make_loss  # noqa: E402
+from common import native  # noqa: E402
 from common.models import make_model  # noqa: E402
 from common.runtime import configure_compute  # noqa: E402
 
@@ -81,6 +83,28 @@ def matmul_peak(sizes: list[int], min_time: float = 0.4) -> tuple[float, float, 
     return max(w for w, _ in results.values()), max(c for _, c in results.values()), results
 
 
+def cpu_description() -> str:
+    """The CPU model and its widest x86 vector extensions (the kernels' code paths depend on them)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")) and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
+    return f"{model} ({platform.machine()}; {', '.join(isa) or 'no AVX2/AVX-512/NEON flag'})"
+
+
+def kernel_description() -> str:
+    if native.disabled_by_environment():
+        return "off (PGVI_FUSED_KERNELS)"
+    return f"built with {' '.join(f for f in native.compile_flags() if f.startswith('-march'))}"
+
+
 def bnn_flops_per_point(sizes: list[int], n_samples: int) -> int:
     pairs = [sizes[i] * sizes[i + 1] for i in range(len(sizes) - 1)]
     forward = 4 * pairs[0] + 4 * n_samples * sum(pairs[1:])
@@ -98,6 +122,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed epochs per configuration (best is reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of 20 training steps")
+    ap.add_argument("--compare-torch-path", action="store_true",
+                    help="then run the same epochs in a child process with PGVI_FUSED_KERNELS=0 (the torch path) "
+                         "and print the kernels' speed-up measured in this run")
     ap.add_argument("--default-allocator", action="store_true",
                     help="keep glibc's malloc thresholds (the clients tune them: common.runtime.configure_compute)")
     args = ap.parse_args()
@@ -110,6 +137,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"allocator {'default' if args.default_allocator else 'tuned'}, load average {os.getloadavg()}")
+    print(f"cpu: {cpu_description()}; kernels {kernel_description()}")
     print(f"peak RSS after imports: {rss_mb():.0f} MB")
     g = torch.Generator().manual_seed(args.seed)
     x = torch.rand(args.n, 784, generator=g)
@@ -168,7 +196,30 @@ def main() -> None:
             local_gvi(model, cases[1][1], cases[1][2], prior, x[:sub], y[:sub], init, base)
         print(prof.key_averages(group_by_input_shape=bool(os.environ.get("BENCH_SHAPES"))).table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("BENCH_ROWS", "25"))))
 
+    if args.compare_torch_path and not native.disabled_by_environment():
+        compare_torch_path(args, {name: min(times) for name, times, *_ in measured})
     print(f"peak RSS: {rss_mb():.0f} MB; load average after: {os.getloadavg()}")
+
+
+def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float]) -> None:
+    """The same epochs in a fresh interpreter with the kernels off; prints its lines and the speed-ups."""
+    import re
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--n", str(args.n), "--batch", str(args.batch),
+           "--samples", str(args.samples), "--hidden", str(args.hidden), "--repeats", str(args.repeats),
+           "--seed", str(args.seed)] + (["--default-allocator"] if args.default_allocator else [])
+    out = subprocess.run(cmd, env=dict(os.environ, PGVI_FUSED_KERNELS="0"), capture_output=True, text=True,
+                         check=True).stdout
+    torch_epoch = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\[(.+?)\] epoch ([0-9.]+) s wall", out, re.M)}
+    print("torch path (PGVI_FUSED_KERNELS=0, child process):")
+    for line in out.splitlines():
+        if line.startswith(("peak:", "[")):
+            print(f"  {line}")
+    for name, t in kernel_epoch.items():
+        if name in torch_epoch:
+            print(f"[{name}] kernels {t:.3f} s vs torch path {torch_epoch[name]:.3f} s per epoch: "
+                  f"{torch_epoch[name] / t:.2f}x")
 
 
 if __name__ == "__main__":
