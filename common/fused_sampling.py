@@ -61,6 +61,20 @@ static inline pv32 mulhi32(pv32 a, uint32_t m) {
     __m256i even = _mm256_mul_epu32(x, mm), odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mm);
     return (pv32)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+/* on arm64 the generic form became eight scalar multiplies: umull / umull2 and the odd halves (uzp2) instead */
+static inline pv32 mulhi32(pv32 a, uint32_t m) {
+    pv32 r;
+    for (int h = 0; h < PV / 4; h++) {
+        uint32x4_t x;
+        memcpy(&x, (const char *)&a + 16 * h, 16);
+        uint64x2_t lo = vmull_n_u32(vget_low_u32(x), m), hi = vmull_high_n_u32(x, m);
+        uint32x4_t res = vuzp2q_u32(vreinterpretq_u32_u64(lo), vreinterpretq_u32_u64(hi));
+        memcpy((char *)&r + 16 * h, &res, 16);
+    }
+    return r;
+}
 #else
 static inline pv32 mulhi32(pv32 a, uint32_t m) {
     const pv64 low = (pv64){0} + 0xFFFFFFFFull, mm = (pv64){0} + (uint64_t)m;
