@@ -160,10 +160,26 @@ def _forget_own_package() -> None:
         del sys.modules[name]
 
 
+def _fresh_main_module() -> None:
+    """Give the child a bare ``__main__`` (no file, no spec), as an interpreter whose main module cannot be
+    re-imported has.  The forkserver's ``__main__`` is the SuperExec's (``python -m client.preforked_superexec``);
+    left in place, a ClientApp that starts ``spawn`` or ``forkserver`` processes (a DataLoader's workers, say)
+    would have each of them re-import that module, which the FAB's ``client`` package need not contain."""
+    import types
+
+    sys.modules.pop("__mp_main__", None)
+    sys.modules["__main__"] = types.ModuleType("__main__")
+
+
 def _child_main(entry: str, argv: Sequence[str], suppress_output: bool) -> None:
-    """Runs in the forked child: become ``argv[0]`` with ``argv`` and call ``entry`` (``module:function``)."""
+    """Runs in the forked child: become ``argv[0]`` with ``argv`` and call ``entry`` (``module:function``).
+    The exit handlers (``atexit``) run at the end, as at a fresh interpreter's exit; the forkserver ends its
+    children with ``os._exit``, which would skip them."""
+    import atexit
+
     _detach_from_forkserver()
     _forget_own_package()
+    _fresh_main_module()
     if suppress_output:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -172,7 +188,10 @@ def _child_main(entry: str, argv: Sequence[str], suppress_output: bool) -> None:
         os.dup2(devnull, 2)
         os.close(devnull)
     sys.argv = list(argv)
-    _resolve(entry)()
+    try:
+        _resolve(entry)()
+    finally:
+        atexit._run_exitfuncs()
 
 
 # ============================================================================================ forkserver

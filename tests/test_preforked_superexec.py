@@ -116,7 +116,17 @@ def record():
     info = {{"argv": sys.argv, "pid": os.getpid(), "ppid": os.getppid(),
             "own_package_loaded": sorted(n for n in sys.modules if n == "client" or n.startswith("client.")),
             "run_clientapp_preloaded": "flwr.supernode.runtime.run_clientapp" in sys.modules,
-            "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2")}}
+            "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2"),
+            "main": [getattr(sys.modules["__main__"], "__file__", None), sys.modules["__main__"].__spec__,
+                     "__mp_main__" in sys.modules]}}
+    token = sys.argv[sys.argv.index("--token") + 1]
+    if "spawn" in token:  # a ClientApp that starts 'spawn' processes (e.g. a DataLoader's workers)
+        import multiprocessing
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            info["spawned"] = pool.map_async(abs, [-3]).get(timeout=120)
+    if "atexit" in token:  # a ClientApp that registers an exit handler (a metrics logger's flush, say)
+        import atexit
+        atexit.register(lambda: open(os.path.join(OUT, token + ".atexit"), "w").close())
     print("probe stdout", flush=True)
     tmp = os.path.join(OUT, "%d.tmp" % os.getpid())
     with open(tmp, "w") as f:
@@ -157,7 +167,8 @@ def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry
     server = forkserver._forkserver._forkserver_pid
     assert server is not None and server != os.getpid()
     assert b"multiprocessing.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
-    specs = [_spec(token="plain", task_id=1), _spec(token="quiet-exit-3", task_id=2, suppress_output=True),
+    specs = [_spec(token="plain-spawn-atexit", task_id=1),
+             _spec(token="quiet-exit-3-atexit", task_id=2, suppress_output=True),
              _spec(token="insecure", task_id=3, insecure=True, root_certificates_path=None, parent_pid=None)]
     for spec in specs:
         assert ex.launch(spec) == LaunchResult.accepted()
@@ -180,6 +191,9 @@ def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry
         assert got["ppid"] == server and got["pid"] != os.getpid()  # a fork of the forkserver, not of us
         assert got["own_package_loaded"] == []  # the FAB's `client` package will be the one imported
         assert got["run_clientapp_preloaded"]
+        assert got["main"] == [None, None, False]  # a bare __main__: spawned processes re-import nothing
+        assert got.get("spawned") == ([3] if "spawn" in spec.token else None)
+        assert (out / f"{spec.token}.atexit").exists() == ("atexit" in spec.token)  # also after sys.exit(3)
         if spec.suppress_output:
             assert got["stdout"] == got["stderr"] == "/dev/null"
         else:
@@ -255,6 +269,37 @@ def test_falls_back_to_subprocess_when_a_fork_fails(probe_entry, popen, caplog, 
     assert "forking is now off" in warnings[-1] and not ex.active
     assert ex.fallbacks == pf.MAX_CONSECUTIVE_FAILURES and ex.forked == 1
     assert not any(out.glob("fallback-*.json"))  # no fork ran any of them (no double launch)
+    ex.close()
+
+
+def test_only_failures_in_a_row_turn_forking_off(probe_entry, popen, caplog, no_forkserver_left):
+    """A successful fork resets the count: MAX_CONSECUTIVE_FAILURES - 1 failures, a fork, and as many failures
+    again leave forking on."""
+    from multiprocessing import forkserver
+
+    entry, out = probe_entry
+    ex = pf.PreforkedExecutor(entry=entry)
+    fs = forkserver._forkserver
+    good = fs._forkserver_address
+    n = pf.MAX_CONSECUTIVE_FAILURES - 1
+    task = itertools.count(1)
+
+    def fail(k: int) -> None:
+        fs._forkserver_address = "\0pgvi-no-such-forkserver"
+        try:
+            for _ in range(k):
+                assert ex.launch(_spec(token=f"fallback-{next(task)}")) == LaunchResult.accepted()
+        finally:
+            fs._forkserver_address = good
+
+    fail(n)
+    assert ex.launch(_spec(token="forked", task_id=next(task))) == LaunchResult.accepted()
+    fail(n)
+    assert ex.active and ex.fallbacks == 2 * n and ex.forked == 1
+    assert ex.launch(_spec(token="still-forked", task_id=next(task))) == LaunchResult.accepted()
+    assert ex.forked == 2 and len(popen.calls) == 2 * n
+    _wait_reaped(ex)
+    assert (out / "forked.json").exists() and (out / "still-forked.json").exists()
     ex.close()
 
 
