@@ -32,10 +32,11 @@ KINDS = {"kl": 0, "reverse_kl": 1, "alpha_renyi": 2}
 BLOCK = 4096  # elements per partial sum and per thread-chunk boundary (a multiple of every vector width)
 
 _C_SOURCE = r"""
+#include <stdlib.h>
 #define BLOCK 4096
 /* var[i] = (softplus(raw[i]) + min_scale)^2 and chain[i] = d var[i] / d raw[i] for i in [lo, hi) (lo a multiple of BLOCK); partial[b] = sum of the
    divergence's terms (without the factor c) over block b = [b BLOCK, (b + 1) BLOCK) in [lo, hi); returns the
-   number of Alpha-Renyi coordinates outside the domain.  Every block but the array's last is a whole number
+   number of Alpha-Renyi coordinates outside the domain, or -1 if out of memory.  Every block but the array's last is a whole number
    of vectors, so the results do not depend on how [0, n) is split over threads.
    Each block runs in passes with one libm call each (exp, log of the softplus, log of the divergence's
    argument(s)), through BLOCK-sized buffers: a vector libm call clobbers every vector register, and one loop
@@ -50,7 +51,10 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
                         float *restrict var, float *restrict chain, double *restrict partial) {
     int64_t nbad = 0;
     float c1 = (float)(1.0 - alpha), inv_aa = kind == 2 ? (float)(1.0 / (alpha * (alpha - 1.0))) : 0.0f;
-    float t[BLOCK], lg[BLOCK], x1[BLOCK], e1[BLOCK], x2[BLOCK], e2[BLOCK];
+    /* six BLOCK buffers (96 kB) on the heap: threads may have small stacks (musl's default is 128 kB) */
+    float *buf = (float *)malloc(sizeof(float) * 6 * BLOCK);
+    if (!buf) return -1;
+    float *t = buf, *lg = t + BLOCK, *x1 = lg + BLOCK, *e1 = x1 + BLOCK, *x2 = e1 + BLOCK, *e2 = x2 + BLOCK;
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
         int64_t n = (b0 + BLOCK < hi ? b0 + BLOCK : hi) - b0;
         const float *rw = raw + b0, *l_ = lp + b0, *lc = loc + b0, *m_ = mp + b0;
@@ -111,6 +115,7 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
         }
         partial[b0 / BLOCK] = acc;
     }
+    free(buf);
     return nbad;
 }
 
@@ -201,6 +206,8 @@ class _VarianceAndDivergence(torch.autograd.Function):
         if n:
             run_chunks(fwd, n, align=BLOCK)
         total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
+        if (bad < 0).any():
+            raise MemoryError("fused mean-field kernel: out of memory")
         n_bad = int(bad.sum())
         ctx.save_for_backward(loc, mean_p, lam_p, var)  # var is an output: saved with its version check
         ctx.chain = chain

@@ -36,9 +36,10 @@ import torch
 _LOG = logging.getLogger(__name__)
 
 #: ``-fno-trapping-math`` lets GCC if-convert ``x < 0 ? 0 : x`` and the other float selects of the kernels into
-#: vector blends; without it, on a CPU without AVX-512's masked compares (e.g. AVX2 only), those loops stay
-#: scalar and the kernels ran 3-20x slower than torch.  Values are unchanged (IEEE results, NaN and inf kept);
-#: only floating-point exception flags, which nothing here reads, may differ.
+#: vector blends; without it, on a CPU without AVX-512's masked compares (e.g. AVX2 only), those loops stayed
+#: scalar (with the other AVX2 issues in docs/bench_core.md, 2026-11-24, a local epoch was 2-3x slower than
+#: torch).  Values are unchanged (IEEE results, NaN and inf kept); only floating-point exception flags, which
+#: nothing here reads, may differ.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-fPIC", "-shared"]
 
 
@@ -194,5 +195,5 @@ def run_chunks(fn: Callable[[int, int], None], total: int, align: int = 1) -> No
         f.result()
 
 
-__all__ = ["FLAGS", "PRELUDE", "NativeLibrary", "cache_dir", "compile_flags", "compile_library", "disabled_by_environment",
-           "run_chunks"]
+__all__ = ["FLAGS", "PRELUDE", "NativeLibrary", "cache_dir", "compile_flags", "compile_library",
+           "disabled_by_environment", "run_chunks"]
