@@ -154,6 +154,15 @@ def _wait_reaped(ex: pf.PreforkedExecutor, timeout: float = 60.0) -> None:
     assert ex.children == [], "children not reaped"
 
 
+def _cmdline_after_exec(pid: int, timeout: float = 30.0) -> bytes:
+    """``/proc/pid/cmdline`` once it is set: multiprocessing records the forkserver's pid right after the fork, and
+    until the child's exec completes the file can read empty (seen once under load in a CI run)."""
+    deadline = time.monotonic() + timeout
+    while not (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cmdline
+
+
 def _exists(pid: int) -> bool:
     """``pid`` is alive or a zombie (not yet reaped)."""
     return Path(f"/proc/{pid}").exists()
@@ -166,7 +175,7 @@ def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry
 
     server = forkserver._forkserver._forkserver_pid
     assert server is not None and server != os.getpid()
-    assert b"multiprocessing.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
+    assert b"multiprocessing.forkserver" in _cmdline_after_exec(server)
     specs = [_spec(token="plain-spawn-atexit", task_id=1),
              _spec(token="quiet-exit-3-atexit", task_id=2, suppress_output=True),
              _spec(token="insecure", task_id=3, insecure=True, root_certificates_path=None, parent_pid=None)]
