@@ -84,17 +84,14 @@ def matmul_peak(sizes: list[int], min_time: float = 0.4) -> tuple[float, float, 
 
 
 def cpu_description() -> str:
-    """The CPU model and its widest x86 vector extensions (the kernels' code paths depend on them)."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """The CPU model and its vector extensions that the kernels' code paths depend on."""
+    model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith(("flags", "Features")) and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
+    flags = set(native._cpu_flags().partition(":")[2].split())  # noqa: SLF001 - the line the kernel cache keys on
     isa = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
     return f"{model} ({platform.machine()}; {', '.join(isa) or 'no AVX2/AVX-512/NEON flag'})"
 
