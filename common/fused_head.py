@@ -42,7 +42,7 @@ from torch import Tensor
 
 from common import fused_sampling
 from common.losses import GeneralisedCrossEntropy, Loss, NegativeLogLikelihood, ScaledLoss
-from common.native import NativeLibrary, run_chunks
+from common.native import NativeLibrary, run_parallel
 
 #: Most classes the kernel handles (its per-row arrays live on the stack).
 MAX_CLASSES = 64
@@ -241,6 +241,25 @@ int pgvi_head_block(const float *restrict mu, const float *restrict sd, int64_t 
     free(eh); free(eo); free(ws);
     return status;
 }
+
+/* The parallel driver: blocks [b0, b1) of block_rows rows, over nt OpenMP threads; block i writes status[i],
+   losses[i] and (with want_grad) its partial output-layer gradients at dwm + i C H, dwv + i C H, dbm + i C, dbv + i C */
+void pgvi_head_run(const float *restrict mu, const float *restrict sd, int64_t R, int64_t H,
+                   const float *restrict wm, const float *restrict bm, const float *restrict wv,
+                   const float *restrict bv, int64_t C, const int64_t *restrict y, int64_t B, int64_t D,
+                   uint32_t k0, uint32_t k1, float delta, float gscale, int want_grad, int64_t block_rows,
+                   int64_t b0, int64_t b1, int nt, double *restrict losses, int *restrict status,
+                   float *restrict dmu, float *restrict dvar, float *restrict dwm, float *restrict dwv,
+                   float *restrict dbm, float *restrict dbv) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t i = b0; i < b1; i++) {
+        int64_t r0 = i * block_rows, r1 = r0 + block_rows < R ? r0 + block_rows : R;
+        status[i] = pgvi_head_block(mu, sd, R, H, wm, bm, wv, bv, C, y, B, D, k0, k1, delta, gscale, want_grad, r0,
+                                    r1, losses + i, dmu, dvar, want_grad ? dwm + i * C * H : NULL,
+                                    want_grad ? dwv + i * C * H : NULL, want_grad ? dbm + i * C : NULL,
+                                    want_grad ? dbv + i * C : NULL);
+    }
+}
 """
 
 _I64, _U32, _VP, _F, _I = ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -250,6 +269,8 @@ _NATIVE = NativeLibrary(
     {
         "pgvi_head_block": ([_VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP, _I64, _VP, _I64, _I64, _U32, _U32, _F, _F,
                              _I, _I64, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _VP], ctypes.c_int),
+        "pgvi_head_run": ([_VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP, _I64, _VP, _I64, _I64, _U32, _U32, _F, _F,
+                           _I, _I64, _I64, _I64, _I, _VP, _VP, _VP, _VP, _VP, _VP, _VP, _VP], None),
     },
 )
 
@@ -278,10 +299,6 @@ def loss_spec(loss: Loss) -> tuple[float, float] | None:
     return None
 
 
-def _block_bounds(rows: int) -> list[tuple[int, int]]:
-    return [(r, min(rows, r + BLOCK_ROWS)) for r in range(0, rows, BLOCK_ROWS)]
-
-
 def _run(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor, y: Tensor,
          n_draws: int, delta: float, gscale: float, k0: int, k1: int, want_grad: bool
          ) -> tuple[float, tuple[Tensor, ...] | None]:
@@ -289,30 +306,19 @@ def _run(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, 
     assert lib is not None
     rows, width = mu.shape
     classes = w_mean.shape[0]
-    blocks = _block_bounds(rows)
-    nb = len(blocks)
+    nb = -(-rows // BLOCK_ROWS)
     losses = (ctypes.c_double * nb)()
-    status = [0] * nb
+    status = (ctypes.c_int * nb)()
+    outs: tuple[int | None, ...] = (None,) * 6
     if want_grad:
         dmu, dvar = torch.empty_like(mu), torch.empty_like(mu)
         dwm, dwv = torch.empty((nb, classes, width), dtype=mu.dtype), torch.empty((nb, classes, width), dtype=mu.dtype)
         dbm, dbv = torch.empty((nb, classes), dtype=mu.dtype), torch.empty((nb, classes), dtype=mu.dtype)
-        ptrs = [t.data_ptr() for t in (dmu, dvar)]
-        row_c, row_ch = classes * 4, classes * width * 4
+        outs = tuple(t.data_ptr() for t in (dmu, dvar, dwm, dwv, dbm, dbv))
     args = (mu.data_ptr(), sd.data_ptr(), rows, width, w_mean.data_ptr(), b_mean.data_ptr(), w_var.data_ptr(),
-            b_var.data_ptr(), classes, y.data_ptr(), y.shape[0], n_draws, k0, k1, delta, gscale, int(want_grad))
-
-    def work(i0: int, i1: int) -> None:
-        for i in range(i0, i1):
-            r0, r1 = blocks[i]
-            if want_grad:
-                out = (ptrs[0], ptrs[1], dwm.data_ptr() + i * row_ch, dwv.data_ptr() + i * row_ch,
-                       dbm.data_ptr() + i * row_c, dbv.data_ptr() + i * row_c)
-            else:
-                out = (None,) * 6
-            status[i] = lib.pgvi_head_block(*args, r0, r1, ctypes.byref(losses, i * 8), *out)
-
-    run_chunks(work, nb)
+            b_var.data_ptr(), classes, y.data_ptr(), y.shape[0], n_draws, k0, k1, delta, gscale, int(want_grad),
+            BLOCK_ROWS)
+    run_parallel(_NATIVE, lambda b0, b1, nt: lib.pgvi_head_run(*args, b0, b1, nt, losses, status, *outs), nb)
     if any(s == 1 for s in status):
         raise MemoryError("fused head: out of memory")
     if any(s == 2 for s in status):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.native import NativeLibrary, run_chunks
+from common.native import NativeLibrary, run_parallel
 
 KINDS = {"kl": 0, "reverse_kl": 1, "alpha_renyi": 2}
 
@@ -145,6 +145,30 @@ void pgvi_mf_backward(const float *restrict loc, const float *restrict var, cons
         graw[i] = gv * chain[i];
     }
 }
+
+/* The parallel drivers: [lo, hi) split over nt OpenMP threads in whole blocks (pgvi_split) */
+int64_t pgvi_mf_forward_run(const float *restrict loc, const float *restrict raw, const float *restrict mp,
+                            const float *restrict lp, int64_t lo, int64_t hi, int nt, int kind, double alpha,
+                            float min_scale, float *restrict var, float *restrict chain, double *restrict partial) {
+    int64_t nbad = 0;
+    int oom = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(+:nbad) reduction(|:oom)
+    for (int t = 0; t < nt; t++) {
+        int64_t a = pgvi_split(lo, hi, BLOCK, t, nt), b = pgvi_split(lo, hi, BLOCK, t + 1, nt);
+        int64_t r = a < b ? pgvi_mf_forward(loc, raw, mp, lp, a, b, kind, alpha, min_scale, var, chain, partial) : 0;
+        if (r < 0) oom = 1; else nbad += r;
+    }
+    return oom ? -1 : nbad;
+}
+void pgvi_mf_backward_run(const float *restrict loc, const float *restrict var, const float *restrict chain,
+                          const float *restrict mp, const float *restrict lp, const float *restrict gvar, float g_div,
+                          int64_t lo, int64_t hi, int nt, int kind, float alpha, float *restrict gloc,
+                          float *restrict graw) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < nt; t++)
+        pgvi_mf_backward(loc, var, chain, mp, lp, gvar, g_div, pgvi_split(lo, hi, BLOCK, t, nt),
+                         pgvi_split(lo, hi, BLOCK, t + 1, nt), kind, alpha, gloc, graw);
+}
 """
 
 _I64, _F32, _F64, _INT, _VP = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int, ctypes.c_void_p
@@ -172,6 +196,8 @@ _NATIVE = NativeLibrary(
     {
         "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
         "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _VP, _VP], None),
+        "pgvi_mf_forward_run": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
+        "pgvi_mf_backward_run": ([_VP, _VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _VP, _VP], None),
     },
     _self_check,
 )
@@ -198,13 +224,13 @@ class _VarianceAndDivergence(torch.autograd.Function):
         partial = np.zeros(-(-n // BLOCK), dtype=np.float64)
         bad = np.zeros(-(-n // BLOCK), dtype=np.int64)  # per chunk, indexed by the chunk's first block
 
-        def fwd(lo: int, hi: int) -> None:
-            bad[lo // BLOCK] = lib.pgvi_mf_forward(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(), lam_p.data_ptr(),
-                                                   lo, hi, kind, alpha, min_scale, var.data_ptr(),
-                                                   chain.data_ptr(), partial.ctypes.data)
+        def fwd(lo: int, hi: int, nt: int) -> None:
+            bad[lo // BLOCK] = lib.pgvi_mf_forward_run(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(),
+                                                       lam_p.data_ptr(), lo, hi, nt, kind, alpha, min_scale,
+                                                       var.data_ptr(), chain.data_ptr(), partial.ctypes.data)
 
         if n:
-            run_chunks(fwd, n, align=BLOCK)
+            run_parallel(_NATIVE, fwd, n, align=BLOCK)
         total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
         if (bad < 0).any():
             raise MemoryError("fused mean-field kernel: out of memory")
@@ -229,12 +255,12 @@ class _VarianceAndDivergence(torch.autograd.Function):
         g_loc = torch.empty_like(loc)
         g_raw = torch.empty_like(loc)
 
-        def bwd(lo: int, hi: int) -> None:
-            lib.pgvi_mf_backward(loc.data_ptr(), var.data_ptr(), chain.data_ptr(), mean_p.data_ptr(),
-                                 lam_p.data_ptr(), None if gv is None else gv.data_ptr(), g_div, lo, hi, ctx.kind,
-                                 ctx.alpha, g_loc.data_ptr(), g_raw.data_ptr())
+        def bwd(lo: int, hi: int, nt: int) -> None:
+            lib.pgvi_mf_backward_run(loc.data_ptr(), var.data_ptr(), chain.data_ptr(), mean_p.data_ptr(),
+                                     lam_p.data_ptr(), None if gv is None else gv.data_ptr(), g_div, lo, hi, nt,
+                                     ctx.kind, ctx.alpha, g_loc.data_ptr(), g_raw.data_ptr())
 
-        run_chunks(bwd, loc.numel(), align=BLOCK)
+        run_parallel(_NATIVE, bwd, loc.numel(), align=BLOCK)
         return g_loc, g_raw, None, None, None, None, None, None
 
 

@@ -31,7 +31,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from common.native import NativeLibrary, run_chunks
+from common.native import NativeLibrary, run_parallel
 
 #: The generator: ``philox_normals`` and its constants (shared with :mod:`common.fused_head`).
 PHILOX_SOURCE = r"""
@@ -226,6 +226,35 @@ int pgvi_relu_sample_bwd_linear(const float *restrict gm, const float *restrict 
     free(g2);
     return 0;
 }
+
+/* The parallel drivers, over nt OpenMP threads: samples [s0, s1), rows [r0, r1) (pgvi_split) */
+void pgvi_relu_sample_fwd_run(const float *restrict mu, const float *restrict sd, int64_t n, int64_t s0, int64_t s1,
+                              int nt, uint32_t k0, uint32_t k1, float *restrict eps, float *restrict h,
+                              float *restrict h2) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < nt; t++)
+        pgvi_relu_sample_fwd(mu, sd, n, pgvi_split(s0, s1, 1, t, nt), pgvi_split(s0, s1, 1, t + 1, nt), k0, k1, eps, h,
+                             h2);
+}
+void pgvi_relu_sample_bwd_run(const float *restrict gh, const float *restrict gh2, const float *restrict h,
+                              const float *restrict eps, int64_t S, int64_t n_rows, int64_t H, int64_t r0, int64_t r1,
+                              int nt, float *restrict dmu, float *restrict dsd) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < nt; t++)
+        pgvi_relu_sample_bwd(gh, gh2, h, eps, S, n_rows, H, pgvi_split(r0, r1, 1, t, nt), pgvi_split(r0, r1, 1, t + 1, nt),
+                             dmu, dsd);
+}
+int pgvi_relu_sample_bwd_linear_run(const float *restrict gm, const float *restrict gv, const float *restrict wm,
+                                    const float *restrict wv, int64_t C, const float *restrict h,
+                                    const float *restrict eps, int64_t S, int64_t n_rows, int64_t H, int64_t r0,
+                                    int64_t r1, int nt, float *restrict dmu, float *restrict dsd) {
+    int oom = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
+    for (int t = 0; t < nt; t++)
+        oom |= pgvi_relu_sample_bwd_linear(gm, gv, wm, wv, C, h, eps, S, n_rows, H, pgvi_split(r0, r1, 1, t, nt),
+                                           pgvi_split(r0, r1, 1, t + 1, nt), dmu, dsd);
+    return oom;
+}
 """
 
 
@@ -237,7 +266,7 @@ def _self_check(lib: ctypes.CDLL) -> None:
         raise RuntimeError("the compiled generator failed its self-check")
 
 
-_I64, _U32, _VP = ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
+_I64, _U32, _VP, _INT = ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
 _NATIVE = NativeLibrary(
     "sampling",
     _C_SOURCE,
@@ -248,6 +277,10 @@ _NATIVE = NativeLibrary(
         "pgvi_relu_sample_bwd": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP], None),
         "pgvi_relu_sample_bwd_linear": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP],
                                         ctypes.c_int),
+        "pgvi_relu_sample_fwd_run": ([_VP, _VP, _I64, _I64, _I64, _INT, _U32, _U32, _VP, _VP, _VP], None),
+        "pgvi_relu_sample_bwd_run": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT, _VP, _VP], None),
+        "pgvi_relu_sample_bwd_linear_run": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT,
+                                             _VP, _VP], ctypes.c_int),
     },
     _self_check,
 )
@@ -283,11 +316,11 @@ def _draw(mu: Tensor, sd: Tensor, n_samples: int, k0: int, k1: int) -> tuple[Ten
     h2 = torch.empty_like(eps)
     n = rows * width
 
-    def fwd(s0: int, s1: int) -> None:
-        lib.pgvi_relu_sample_fwd(mu.data_ptr(), sd.data_ptr(), n, s0, s1, k0, k1, eps.data_ptr(), h.data_ptr(),
-                                 h2.data_ptr())
+    def fwd(s0: int, s1: int, nt: int) -> None:
+        lib.pgvi_relu_sample_fwd_run(mu.data_ptr(), sd.data_ptr(), n, s0, s1, nt, k0, k1, eps.data_ptr(),
+                                     h.data_ptr(), h2.data_ptr())
 
-    run_chunks(fwd, n_samples)
+    run_parallel(_NATIVE, fwd, n_samples)
     return h, h2, eps
 
 
@@ -300,11 +333,12 @@ def _grads_from_h(h: Tensor, eps: Tensor, gh: Tensor, gh2: Tensor | None) -> tup
     dmu = torch.empty((rows, width), dtype=h.dtype)
     dsd = torch.empty_like(dmu)
 
-    def bwd(r0: int, r1: int) -> None:
-        lib.pgvi_relu_sample_bwd(gh.data_ptr(), None if gh2 is None else gh2.data_ptr(), h.data_ptr(),
-                                 eps.data_ptr(), n_samples, rows, width, r0, r1, dmu.data_ptr(), dsd.data_ptr())
+    def bwd(r0: int, r1: int, nt: int) -> None:
+        lib.pgvi_relu_sample_bwd_run(gh.data_ptr(), None if gh2 is None else gh2.data_ptr(), h.data_ptr(),
+                                     eps.data_ptr(), n_samples, rows, width, r0, r1, nt, dmu.data_ptr(),
+                                     dsd.data_ptr())
 
-    run_chunks(bwd, rows)
+    run_parallel(_NATIVE, bwd, rows)
     return dmu, dsd
 
 
@@ -396,13 +430,13 @@ class _SampleReLULinear(torch.autograd.Function):
             d_sd = torch.empty_like(d_mu)
             wm, wv = w_mean.contiguous(), w_var.contiguous()
 
-            def bwd(r0: int, r1: int) -> None:
-                if lib.pgvi_relu_sample_bwd_linear(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(), wv.data_ptr(),
-                                                   out, h.data_ptr(), eps.data_ptr(), n_samples, rows, width, r0, r1,
-                                                   d_mu.data_ptr(), d_sd.data_ptr()):
+            def bwd(r0: int, r1: int, nt: int) -> None:
+                if lib.pgvi_relu_sample_bwd_linear_run(g_mu.data_ptr(), g_var.data_ptr(), wm.data_ptr(),
+                                                       wv.data_ptr(), out, h.data_ptr(), eps.data_ptr(), n_samples,
+                                                       rows, width, r0, r1, nt, d_mu.data_ptr(), d_sd.data_ptr()):
                     raise MemoryError("fused sampling backward: out of memory")
 
-            run_chunks(bwd, rows)
+            run_parallel(_NATIVE, bwd, rows)
         return d_mu, d_sd, d_wm, d_bm, d_wv, d_bv, None, None, None
 
 

@@ -1,0 +1,128 @@
+"""How the compiled kernels use threads (common.native): on torch's own OpenMP pool where torch runs on GNU
+OpenMP, otherwise Python threads; the results are the same either way.
+
+Fresh interpreters, so each route builds and loads its own kernels (``PGVI_KERNEL_OPENMP=0`` selects the Python
+threads) into a private cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(native.disabled_by_environment(), reason="kernels disabled")
+
+#: the three kernel libraries at 2 threads: digests of every output and gradient, the route, and the OpenMP
+#: runtimes mapped into the process
+_PROBE = r"""
+import hashlib, json, torch
+from common import fused_head, fused_meanfield, fused_sampling, native
+from common.losses import make_loss
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(3)
+out = {}
+def dig(*ts):
+    h = hashlib.sha256()
+    for t in ts:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+R, H, C = 300, 50, 7  # three row blocks of the head
+mu = torch.randn(R, H, generator=g).requires_grad_(); var = (torch.rand(R, H, generator=g) + 0.1).requires_grad_()
+wm = (0.1 * torch.randn(C, H, generator=g)).requires_grad_(); bm = torch.zeros(C).requires_grad_()
+wv = (1e-2 * torch.rand(C, H, generator=g)).requires_grad_(); bv = (1e-2 * torch.rand(C, generator=g)).requires_grad_()
+y = torch.randint(0, C, (R,), generator=g)
+v = fused_head.expected_loss(mu, var, wm, bm, wv, bv, y, 4, 4, make_loss("gce", delta=0.8), torch.Generator().manual_seed(1))
+out["head"] = dig(v, *torch.autograd.grad(v, (mu, var, wm, bm, wv, bv)))
+n = 3 * 4096 + 123  # four blocks of the mean-field kernel
+loc, raw = torch.randn(n, generator=g).requires_grad_(), (0.5 * torch.randn(n, generator=g) - 4.0).requires_grad_()
+mp, lp = 0.1 * torch.randn(n, generator=g), 1.0 + torch.rand(n, generator=g)
+vv, value, bad = fused_meanfield.variance_and_divergence(loc, raw, mp, lp, "alpha_renyi", 2.5, 0.5, 1e-8)
+out["meanfield"] = dig(vv, value, *torch.autograd.grad(value + vv.sum(), (loc, raw)))
+m2, s2 = torch.randn(64, 100, generator=g).requires_grad_(), (0.5 + torch.rand(64, 100, generator=g)).requires_grad_()
+h, h2, eps = fused_sampling.sample_relu(m2, s2, 5, torch.Generator().manual_seed(2))
+out["sampling"] = dig(h, h2, eps, *torch.autograd.grad((h + h2).sum(), (m2, s2)))
+out["openmp"] = [m._NATIVE.openmp for m in (fused_head, fused_meanfield, fused_sampling)]
+out["runtime"] = str(native.openmp_runtime())
+out["gomp_mapped"] = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l})
+print(json.dumps(out))
+"""
+
+
+def _probe(tmp_path: Path, **env: str) -> dict:
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700, parents=True)
+    full = dict(os.environ, PGVI_KERNEL_CACHE=str(cache), PYTHONPATH=str(ROOT), **env)
+    full.pop("PGVI_FUSED_KERNELS", None)
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=600, env=full,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _torch_on_gnu_openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info() and any(
+        "libgomp" in line for line in open("/proc/self/maps", encoding="utf-8"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_openmp_and_python_threads_give_identical_results(tmp_path: Path) -> None:
+    omp = _probe(tmp_path / "omp")
+    py = _probe(tmp_path / "py", PGVI_KERNEL_OPENMP="0")
+    assert py["openmp"] == [False, False, False] and py["runtime"] == "None"
+    if _torch_on_gnu_openmp():
+        # every library on torch's runtime, and no second OpenMP runtime loaded beside it
+        assert omp["openmp"] == [True, True, True]
+        assert omp["gomp_mapped"] == [omp["runtime"]], omp["gomp_mapped"]
+    for key in ("head", "meanfield", "sampling"):
+        assert omp[key] == py[key], key
+
+
+def test_a_failed_openmp_build_falls_back_to_python_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OpenMP build is tried first; if it cannot be built or loaded the plain build is used, not the torch
+    path."""
+    from common import fused_meanfield
+
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("PGVI_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(native, "openmp_runtime", lambda: Path("/nonexistent/libgomp.so.1"))
+    lib = native.NativeLibrary("meanfield_fallback", fused_meanfield._C_SOURCE, {})  # noqa: SLF001
+    assert lib.get() is not None
+    assert lib.openmp is False and lib.parallel_in_openmp() is False
+
+
+def test_run_parallel_splits_like_run_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One driver call with all threads on an OpenMP build; otherwise one call per Python-thread chunk, each with
+    one thread; the chunk bounds are multiples of ``align``."""
+
+    class Lib:
+        def __init__(self, openmp: bool) -> None:
+            self.openmp = openmp
+
+        def parallel_in_openmp(self) -> bool:
+            return self.openmp
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        calls: list[tuple[int, int, int]] = []
+        native.run_parallel(Lib(True), lambda lo, hi, nt: calls.append((lo, hi, nt)), 10_000, align=4096)
+        assert calls == [(0, 10_000, 2)]
+        calls.clear()
+        native.run_parallel(Lib(True), lambda lo, hi, nt: calls.append((lo, hi, nt)), 100, align=4096)
+        assert calls == [(0, 100, 1)]  # one block: no second thread
+        calls.clear()
+        native.run_parallel(Lib(False), lambda lo, hi, nt: calls.append((lo, hi, nt)), 10_000, align=4096)
+        assert sorted(calls) == [(0, 4096, 1), (4096, 10_000, 1)]
+    finally:
+        torch.set_num_threads(before)
