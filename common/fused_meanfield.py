@@ -146,28 +146,56 @@ void pgvi_mf_backward(const float *restrict loc, const float *restrict var, cons
     }
 }
 
-/* The parallel drivers: [lo, hi) split over nt OpenMP threads in whole blocks (pgvi_split) */
-int64_t pgvi_mf_forward_run(const float *restrict loc, const float *restrict raw, const float *restrict mp,
-                            const float *restrict lp, int64_t lo, int64_t hi, int nt, int kind, double alpha,
-                            float min_scale, float *restrict var, float *restrict chain, double *restrict partial) {
-    int64_t nbad = 0;
+/* The parallel drivers, over T tensors in one call (a step's weights and biases: one call instead of one per
+   tensor).  Tensor i has n[i] elements and the blocks [off[i], off[i + 1]) of one numbering of all the tensors'
+   blocks; its arrays are at the addresses p[K i + 0 .. K - 1].  The global blocks [g0, g1) are split over nt
+   OpenMP threads (pgvi_split); each thread runs the kernels on its blocks' parts of each tensor. */
+static inline const float *fp(int64_t a) { return (const float *)(intptr_t)a; }
+static inline float *wp(int64_t a) { return (float *)(intptr_t)a; }
+
+/* p: loc, raw, mp, lp, var, chain (K = 6); partial[g] = block g's sum; bad[i] += tensor i's Alpha-Renyi count.
+   Returns 1 if out of memory. */
+int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
+                         const int64_t *restrict off, int64_t g0, int64_t g1, int nt, int kind, double alpha,
+                         float min_scale, double *restrict partial, int64_t *restrict bad) {
     int oom = 0;
-    #pragma omp parallel for num_threads(nt) schedule(static) reduction(+:nbad) reduction(|:oom)
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
     for (int t = 0; t < nt; t++) {
-        int64_t a = pgvi_split(lo, hi, BLOCK, t, nt), b = pgvi_split(lo, hi, BLOCK, t + 1, nt);
-        int64_t r = a < b ? pgvi_mf_forward(loc, raw, mp, lp, a, b, kind, alpha, min_scale, var, chain, partial) : 0;
-        if (r < 0) oom = 1; else nbad += r;
+        int64_t a = pgvi_split(g0, g1, 1, t, nt), b = pgvi_split(g0, g1, 1, t + 1, nt);
+        for (int64_t i = 0; i < T; i++) {
+            int64_t lo = a > off[i] ? a : off[i], hi = b < off[i + 1] ? b : off[i + 1];
+            if (lo >= hi) continue;
+            int64_t e1 = (hi - off[i]) * BLOCK < n[i] ? (hi - off[i]) * BLOCK : n[i];
+            const int64_t *q = p + 6 * i;
+            int64_t r = pgvi_mf_forward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), (lo - off[i]) * BLOCK, e1, kind,
+                                        alpha, min_scale, wp(q[4]), wp(q[5]), partial + off[i]);
+            if (r < 0) {
+                oom = 1;
+            } else if (r > 0) {
+                #pragma omp atomic
+                bad[i] += r;
+            }
+        }
     }
-    return oom ? -1 : nbad;
+    return oom;
 }
-void pgvi_mf_backward_run(const float *restrict loc, const float *restrict var, const float *restrict chain,
-                          const float *restrict mp, const float *restrict lp, const float *restrict gvar, float g_div,
-                          int64_t lo, int64_t hi, int nt, int kind, float alpha, float *restrict gloc,
-                          float *restrict graw) {
+
+/* p: loc, var, chain, mp, lp, gvar (0: no loss gradient), gloc, graw (K = 8) */
+void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
+                           const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
+                           float alpha) {
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int t = 0; t < nt; t++)
-        pgvi_mf_backward(loc, var, chain, mp, lp, gvar, g_div, pgvi_split(lo, hi, BLOCK, t, nt),
-                         pgvi_split(lo, hi, BLOCK, t + 1, nt), kind, alpha, gloc, graw);
+    for (int t = 0; t < nt; t++) {
+        int64_t a = pgvi_split(g0, g1, 1, t, nt), b = pgvi_split(g0, g1, 1, t + 1, nt);
+        for (int64_t i = 0; i < T; i++) {
+            int64_t lo = a > off[i] ? a : off[i], hi = b < off[i + 1] ? b : off[i + 1];
+            if (lo >= hi) continue;
+            int64_t e1 = (hi - off[i]) * BLOCK < n[i] ? (hi - off[i]) * BLOCK : n[i];
+            const int64_t *q = p + 8 * i;
+            pgvi_mf_backward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), fp(q[4]), q[5] ? fp(q[5]) : NULL, g_div,
+                             (lo - off[i]) * BLOCK, e1, kind, alpha, wp(q[6]), wp(q[7]));
+        }
+    }
 }
 """
 
@@ -196,8 +224,8 @@ _NATIVE = NativeLibrary(
     {
         "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
         "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _VP, _VP], None),
-        "pgvi_mf_forward_run": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
-        "pgvi_mf_backward_run": ([_VP, _VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _VP, _VP], None),
+        "pgvi_mf_forward_many": ([_I64, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP], _INT),
+        "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32], None),
     },
     _self_check,
 )
@@ -211,74 +239,108 @@ def applies_to(t: Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and available()
 
 
-class _VarianceAndDivergence(torch.autograd.Function):
+def _blocks(tensors: list[Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Element counts and the global block numbering's offsets (``off[i]`` = the first block of tensor ``i``)."""
+    n = np.array([t.numel() for t in tensors], dtype=np.int64)
+    off = np.zeros(len(tensors) + 1, dtype=np.int64)
+    np.cumsum(-(-n // BLOCK), out=off[1:])
+    return n, off
+
+
+class _VariancesAndDivergence(torch.autograd.Function):
+    """``(v_1 .. v_T, c sum_i sum_j f_ij, n_undefined per tensor)`` for T (loc, raw) pairs in one C call each way."""
+
     @staticmethod
-    def forward(ctx, loc: Tensor, raw: Tensor, mean_p: Tensor, lam_p: Tensor, kind: int, alpha: float,  # type: ignore[override]
-                c: float, min_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, spec: tuple, *tensors: Tensor):  # type: ignore[override]
+        kind, alpha, c, min_scale, mean_ps, lam_ps = spec
         lib = _NATIVE.get()
         assert lib is not None
-        loc, raw = loc.detach().contiguous(), raw.detach().contiguous()
-        n = loc.numel()
-        var = torch.empty_like(loc)
-        chain = torch.empty_like(loc)  # d var / d raw, for the backward
-        partial = np.zeros(-(-n // BLOCK), dtype=np.float64)
-        bad = np.zeros(-(-n // BLOCK), dtype=np.int64)  # per chunk, indexed by the chunk's first block
+        t_count = len(mean_ps)
+        locs = [t.detach().contiguous() for t in tensors[:t_count]]
+        raws = [t.detach().contiguous() for t in tensors[t_count:]]
+        n, off = _blocks(locs)
+        variances = [torch.empty_like(loc) for loc in locs]
+        chains = [torch.empty_like(loc) for loc in locs]  # d var / d raw, for the backward
+        ptrs = np.array([t.data_ptr() for i in range(t_count)
+                         for t in (locs[i], raws[i], mean_ps[i], lam_ps[i], variances[i], chains[i])], dtype=np.int64)
+        partial = np.zeros(int(off[-1]), dtype=np.float64)
+        bad = np.zeros(t_count, dtype=np.int64)
+        oom = [0]
 
-        def fwd(lo: int, hi: int, nt: int) -> None:
-            bad[lo // BLOCK] = lib.pgvi_mf_forward_run(loc.data_ptr(), raw.data_ptr(), mean_p.data_ptr(),
-                                                       lam_p.data_ptr(), lo, hi, nt, kind, alpha, min_scale,
-                                                       var.data_ptr(), chain.data_ptr(), partial.ctypes.data)
+        def fwd(g0: int, g1: int, nt: int) -> None:
+            if lib.pgvi_mf_forward_many(t_count, ptrs.ctypes.data, n.ctypes.data, off.ctypes.data, g0, g1, nt, kind,
+                                        alpha, min_scale, partial.ctypes.data, bad.ctypes.data):
+                oom[0] = 1
 
-        if n:
-            run_parallel(_NATIVE, fwd, n, align=BLOCK)
-        total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
-        if (bad < 0).any():
+        if off[-1]:
+            run_parallel(_NATIVE, fwd, int(off[-1]))
+        if oom[0]:
             raise MemoryError("fused mean-field kernel: out of memory")
-        n_bad = int(bad.sum())
-        ctx.save_for_backward(loc, mean_p, lam_p, var)  # var is an output: saved with its version check
-        ctx.chain = chain
+        total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
+        ctx.save_for_backward(*locs, *variances)  # the variances are outputs: saved with their version check
+        ctx.mean_ps, ctx.lam_ps, ctx.chains, ctx.n, ctx.off = mean_ps, lam_ps, chains, n, off
         ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
         ctx.set_materialize_grads(False)
-        value = torch.tensor(c * total, dtype=loc.dtype)
-        n_bad_t = torch.tensor(n_bad, dtype=torch.int64)
-        ctx.mark_non_differentiable(n_bad_t)
-        return var, value, n_bad_t
+        value = torch.tensor(c * total, dtype=locs[0].dtype)
+        n_bad = torch.from_numpy(bad)
+        ctx.mark_non_differentiable(n_bad)
+        return (*variances, value, n_bad)
 
     @staticmethod
-    def backward(ctx, g_var: Tensor | None, g_value: Tensor | None, _g_bad: Tensor | None):  # type: ignore[override]
+    def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
         lib = _NATIVE.get()
         assert lib is not None
-        loc, mean_p, lam_p, var = ctx.saved_tensors
-        chain = ctx.chain
-        gv = None if g_var is None else g_var.contiguous()
+        saved = ctx.saved_tensors
+        t_count = len(ctx.mean_ps)
+        locs, variances = saved[:t_count], saved[t_count:]
+        g_vars, g_value = grads[:t_count], grads[t_count]
         g_div = 0.0 if g_value is None else float(g_value) * ctx.c
-        g_loc = torch.empty_like(loc)
-        g_raw = torch.empty_like(loc)
+        g_vars = [None if g is None else g.contiguous() for g in g_vars]
+        g_locs = [torch.empty_like(loc) for loc in locs]
+        g_raws = [torch.empty_like(loc) for loc in locs]
+        ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
+                         for t in (locs[i], variances[i], ctx.chains[i], ctx.mean_ps[i], ctx.lam_ps[i], g_vars[i],
+                                   g_locs[i], g_raws[i])], dtype=np.int64)
 
-        def bwd(lo: int, hi: int, nt: int) -> None:
-            lib.pgvi_mf_backward_run(loc.data_ptr(), var.data_ptr(), chain.data_ptr(), mean_p.data_ptr(),
-                                     lam_p.data_ptr(), None if gv is None else gv.data_ptr(), g_div, lo, hi, nt,
-                                     ctx.kind, ctx.alpha, g_loc.data_ptr(), g_raw.data_ptr())
+        def bwd(g0: int, g1: int, nt: int) -> None:
+            lib.pgvi_mf_backward_many(t_count, ptrs.ctypes.data, ctx.n.ctypes.data, ctx.off.ctypes.data, g_div, g0,
+                                      g1, nt, ctx.kind, ctx.alpha)
 
-        run_parallel(_NATIVE, bwd, loc.numel(), align=BLOCK)
-        return g_loc, g_raw, None, None, None, None, None, None
+        if ctx.off[-1]:
+            run_parallel(_NATIVE, bwd, int(ctx.off[-1]))
+        return (None, *g_locs, *g_raws)
+
+
+def variances_and_divergence(locs: list[Tensor], raws: list[Tensor], mean_ps: list[Tensor], lam_ps: list[Tensor],
+                             kind: str, alpha: float, c: float, min_scale: float
+                             ) -> tuple[list[Tensor], Tensor, list[int]]:
+    """For T tensors at once (one C call forward and one backward, whatever T):
+    ``([v_1 .. v_T], c * sum_i sum_j f_ij, [n_undefined_1 .. n_undefined_T])`` with ``v_i = (softplus(raws[i]) +
+    min_scale)^2`` and ``f_ij`` the divergence's per-coordinate moment form (see
+    :class:`common.local_gvi.MeanFieldMomentDivergence`); differentiable w.r.t. ``locs`` and ``raws``.
+    ``n_undefined_i`` counts tensor ``i``'s Alpha-Renyi coordinates outside the domain (the value is then
+    meaningless: the caller raises).  The sum runs over fixed blocks in a fixed order, so it does not depend on
+    the number of threads.  Call only where :func:`applies_to` holds for every tensor."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown moment divergence {kind!r}")
+    t_count = len(locs)
+    if t_count == 0 or not (len(raws) == len(mean_ps) == len(lam_ps) == t_count):
+        raise ValueError("variances_and_divergence: one raw scale, cavity mean and precision per mean")
+    for group in zip(locs, raws, mean_ps, lam_ps):
+        if any(t.shape != group[0].shape for t in group) or not all(applies_to(t) for t in group):
+            raise ValueError("variances_and_divergence: four float32 CPU tensors of one shape per parameter")
+    mean_ps = [t.detach().contiguous() for t in mean_ps]
+    lam_ps = [t.detach().contiguous() for t in lam_ps]
+    out = _VariancesAndDivergence.apply((KINDS[kind], float(alpha), float(c), float(min_scale), mean_ps, lam_ps),
+                                        *locs, *raws)
+    return list(out[:t_count]), out[t_count], [int(b) for b in out[t_count + 1]]
 
 
 def variance_and_divergence(loc: Tensor, raw: Tensor, mean_p: Tensor, lam_p: Tensor, kind: str, alpha: float,
                             c: float, min_scale: float) -> tuple[Tensor, Tensor, int]:
-    """``(v, c * sum_i f_i, n_undefined)`` with ``v = (softplus(raw) + min_scale)^2`` and ``f_i`` the divergence's
-    per-coordinate moment form (see :class:`common.local_gvi.MeanFieldMomentDivergence`); differentiable
-    w.r.t. ``loc`` and ``raw``.  ``n_undefined`` counts Alpha-Renyi coordinates outside the domain (the value
-    is then meaningless: the caller raises).  Call only where :func:`applies_to` holds for all four tensors."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown moment divergence {kind!r}")
-    tensors = (loc, raw, mean_p, lam_p)
-    if any(t.shape != loc.shape for t in tensors) or not all(applies_to(t) for t in tensors):
-        raise ValueError("variance_and_divergence: four float32 CPU tensors of one shape are needed")
-    mean_p, lam_p = mean_p.detach().contiguous(), lam_p.detach().contiguous()
-    var, value, bad = _VarianceAndDivergence.apply(loc, raw, mean_p, lam_p, KINDS[kind], float(alpha), float(c),
-                                                   float(min_scale))
-    return var, value, int(bad)
+    """:func:`variances_and_divergence` of one tensor: ``(v, c * sum_i f_i, n_undefined)``."""
+    variances, value, bad = variances_and_divergence([loc], [raw], [mean_p], [lam_p], kind, alpha, c, min_scale)
+    return variances[0], value, bad[0]
 
 
-__all__ = ["KINDS", "applies_to", "available", "variance_and_divergence"]
+__all__ = ["KINDS", "applies_to", "available", "variance_and_divergence", "variances_and_divergence"]

@@ -275,16 +275,14 @@ class _Objective:
             return None
         fd = self.fast_divergence
         if fd is not None and self.path == "mc_local_reparam" and fused_meanfield.applies_to(q.locs[0]):
-            variances: dict[str, Tensor] = {}
-            total: Tensor | None = None
-            for name, loc, raw in zip(q.names, q.locs, q.raw_scales):
-                v, value, bad = fused_meanfield.variance_and_divergence(
-                    loc, raw, fd.mean_p[name], fd.lam_p[name], fd.kind, fd.alpha, 0.5 * fd.weight, q.min_scale)
-                if bad:
-                    raise _alpha_renyi_undefined(fd.alpha, bad, loc.numel(), name)
-                variances[name] = v
-                total = value if total is None else total + value
-            return _Moments(q.means(), None, variances, total)
+            locs = list(q.locs)
+            vs, total, bad = fused_meanfield.variances_and_divergence(
+                locs, list(q.raw_scales), [fd.mean_p[k] for k in q.names], [fd.lam_p[k] for k in q.names], fd.kind,
+                fd.alpha, 0.5 * fd.weight, q.min_scale)
+            for name, loc, b in zip(q.names, locs, bad):
+                if b:
+                    raise _alpha_renyi_undefined(fd.alpha, b, loc.numel(), name)
+            return _Moments(dict(zip(q.names, locs)), None, dict(zip(q.names, vs)), total)
         means, scales = q.means(), q.scales()
         return _Moments(means, scales, {k: v * v for k, v in scales.items()})
 

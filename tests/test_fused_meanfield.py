@@ -169,3 +169,39 @@ def test_results_do_not_depend_on_the_thread_count_and_zero_size_works() -> None
     v, value, bad = fm.variance_and_divergence(empty, torch.zeros(0), torch.zeros(0), torch.ones(0), "kl", 1.0, 0.5,
                                                1e-8)
     assert v.shape == (0,) and float(value.detach()) == 0.0 and bad == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_tensors_in_one_call_equal_one_call_each(threads: int) -> None:
+    """variances_and_divergence over tensors of mixed sizes (empty, smaller than a block, several blocks with a
+    partial last one) equals per-tensor calls: the same variances and gradients, the value as the sum of theirs,
+    and each Alpha-Renyi violation counted against its own tensor."""
+    g = torch.Generator().manual_seed(4)
+    sizes = [fm.BLOCK * 2 + 17, 0, 7, fm.BLOCK, 3 * fm.BLOCK + 1]
+    locs = [torch.randn(n, generator=g).requires_grad_(True) for n in sizes]
+    raws = [(0.5 * torch.randn(n, generator=g) - 4.0).requires_grad_(True) for n in sizes]
+    mps = [0.1 * torch.randn(n, generator=g) for n in sizes]
+    lps = [1.0 + torch.rand(n, generator=g) for n in sizes]
+    lps[2] = lps[2].clone()
+    lps[2][3] = 1e9  # lambda_p v >> 1: outside the alpha = 2.5 domain, in tensor 2 only
+    g_vars = [torch.randn(n, generator=g) for n in sizes]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        vs, value, bad = fm.variances_and_divergence(locs, raws, mps, lps, "alpha_renyi", 2.5, 0.5, 1e-8)
+        assert bad == [0, 0, 1, 0, 0]
+        grads = torch.autograd.grad(value + sum((gv * v).sum() for gv, v in zip(g_vars, vs)), [*locs, *raws])
+        singles = [fm.variance_and_divergence(*t, "alpha_renyi", 2.5, 0.5, 1e-8) for t in zip(locs, raws, mps, lps)]
+    finally:
+        torch.set_num_threads(before)
+    assert [b for _, _, b in singles] == bad
+    ok = [i for i in range(len(sizes)) if i != 2]  # tensor 2's value is meaningless (outside the domain)
+    want = sum(float(singles[i][1]) for i in ok)
+    got_ok = fm.variances_and_divergence([locs[i] for i in ok], [raws[i] for i in ok], [mps[i] for i in ok],
+                                         [lps[i] for i in ok], "alpha_renyi", 2.5, 0.5, 1e-8)[1]
+    assert float(got_ok) == pytest.approx(want, rel=1e-6)
+    for i, (v, value_i, _) in enumerate(singles):
+        assert torch.equal(vs[i], v)
+        gl, gr = torch.autograd.grad(value_i + (g_vars[i] * v).sum(), [locs[i], raws[i]])
+        if i != 2:
+            assert torch.equal(grads[i], gl) and torch.equal(grads[len(sizes) + i], gr)
