@@ -19,7 +19,7 @@ so a kernel's ``#pragma omp parallel`` runs on the pool MKL's GEMMs and ATen alr
 workers spin for a while, waiting for the next parallel region, and that region can now be ours.  With the
 earlier Python thread pool (:func:`run_chunks`, still the fallback: another runtime, no ``libgomp``, or
 ``PGVI_KERNEL_OPENMP=0``) those spinning workers and the pool's threads competed for the cores: on 2 cores a local
-epoch of the 784-200-10 BNN took 0.58-0.65 s instead of 0.50 s (docs/bench_core.md).  :func:`run_parallel`
+epoch of the 784-200-10 BNN took 0.58-0.65 s instead of 0.44-0.45 s (docs/bench_core.md).  :func:`run_parallel`
 picks the route; a kernel's result never depends on it (fixed blocks, fixed summation order).
 """
 
