@@ -152,6 +152,15 @@ void pgvi_mf_backward(const float *restrict loc, const float *restrict var, cons
    OpenMP threads (pgvi_split); each thread runs the kernels on its blocks' parts of each tensor. */
 static inline const float *fp(int64_t a) { return (const float *)(intptr_t)a; }
 static inline float *wp(int64_t a) { return (float *)(intptr_t)a; }
+/* the elements [e0, e1) of tensor i that lie in the global blocks [a, b); 0 if none */
+static inline int tensor_part(const int64_t *n, const int64_t *off, int64_t i, int64_t a, int64_t b, int64_t *e0,
+                              int64_t *e1) {
+    int64_t lo = a > off[i] ? a : off[i], hi = b < off[i + 1] ? b : off[i + 1];
+    if (lo >= hi) return 0;
+    *e0 = (lo - off[i]) * BLOCK;
+    *e1 = (hi - off[i]) * BLOCK < n[i] ? (hi - off[i]) * BLOCK : n[i];
+    return 1;
+}
 
 /* p: loc, raw, mp, lp, var, chain (K = 6); partial[g] = block g's sum; bad[i] += tensor i's Alpha-Renyi count.
    Returns 1 if out of memory. */
@@ -162,13 +171,12 @@ int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *re
     #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
     for (int t = 0; t < nt; t++) {
         int64_t a = pgvi_split(g0, g1, 1, t, nt), b = pgvi_split(g0, g1, 1, t + 1, nt);
+        int64_t e0, e1;
         for (int64_t i = 0; i < T; i++) {
-            int64_t lo = a > off[i] ? a : off[i], hi = b < off[i + 1] ? b : off[i + 1];
-            if (lo >= hi) continue;
-            int64_t e1 = (hi - off[i]) * BLOCK < n[i] ? (hi - off[i]) * BLOCK : n[i];
+            if (!tensor_part(n, off, i, a, b, &e0, &e1)) continue;
             const int64_t *q = p + 6 * i;
-            int64_t r = pgvi_mf_forward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), (lo - off[i]) * BLOCK, e1, kind,
-                                        alpha, min_scale, wp(q[4]), wp(q[5]), partial + off[i]);
+            int64_t r = pgvi_mf_forward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), e0, e1, kind, alpha, min_scale,
+                                        wp(q[4]), wp(q[5]), partial + off[i]);
             if (r < 0) {
                 oom = 1;
             } else if (r > 0) {
@@ -187,13 +195,12 @@ void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int t = 0; t < nt; t++) {
         int64_t a = pgvi_split(g0, g1, 1, t, nt), b = pgvi_split(g0, g1, 1, t + 1, nt);
+        int64_t e0, e1;
         for (int64_t i = 0; i < T; i++) {
-            int64_t lo = a > off[i] ? a : off[i], hi = b < off[i + 1] ? b : off[i + 1];
-            if (lo >= hi) continue;
-            int64_t e1 = (hi - off[i]) * BLOCK < n[i] ? (hi - off[i]) * BLOCK : n[i];
+            if (!tensor_part(n, off, i, a, b, &e0, &e1)) continue;
             const int64_t *q = p + 8 * i;
-            pgvi_mf_backward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), fp(q[4]), q[5] ? fp(q[5]) : NULL, g_div,
-                             (lo - off[i]) * BLOCK, e1, kind, alpha, wp(q[6]), wp(q[7]));
+            pgvi_mf_backward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), fp(q[4]), q[5] ? fp(q[5]) : NULL, g_div, e0, e1,
+                             kind, alpha, wp(q[6]), wp(q[7]));
         }
     }
 }
