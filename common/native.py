@@ -125,10 +125,22 @@ _openmp_lock = threading.Lock()
 _openmp_runtime: tuple[bool, Path | None] = (False, None)
 
 
+def _choose_openmp_runtime(mapped: list[Path], torch_dir: Path) -> Path | None:
+    """Of the ``libgomp`` files mapped into the process, the one torch runs on: the copy its wheel bundles (under
+    ``torch/`` or the sibling ``torch.libs/``), else the only one mapped (a torch linked to the system's).  Other
+    wheels bundle their own (scikit-learn's ``scikit_learn.libs/libgomp-<hash>.so``): with several mapped and
+    none of them torch's, ``None``."""
+    bundled = [p for p in mapped if torch_dir in p.parents or p.parent == torch_dir.parent / "torch.libs"]
+    if bundled:
+        return bundled[0]
+    return mapped[0] if len(mapped) == 1 else None
+
+
 def openmp_runtime() -> Path | None:
     """The GNU OpenMP runtime (``libgomp``) that torch's intra-op threads run on, as the path of the file mapped
-    into this process, or ``None``: ATen's parallel backend is not OpenMP, no ``libgomp`` is mapped (another
-    OpenMP runtime, or not Linux), or ``PGVI_KERNEL_OPENMP=0``."""
+    into this process, or ``None``: ATen's parallel backend is not OpenMP, torch's ``libgomp`` cannot be told
+    apart (:func:`_choose_openmp_runtime`), none is mapped (another OpenMP runtime, or not Linux), or
+    ``PGVI_KERNEL_OPENMP=0``."""
     global _openmp_runtime
     if os.environ.get("PGVI_KERNEL_OPENMP", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
@@ -136,15 +148,17 @@ def openmp_runtime() -> Path | None:
         if not _openmp_runtime[0]:
             found: Path | None = None
             if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+                mapped: list[Path] = []
                 try:
                     with open("/proc/self/maps", encoding="utf-8") as f:
                         for line in f:
                             path = line.split()[-1] if line.strip() else ""
-                            if re.search(r"/libgomp[^/]*\.so[^/]*$", path) and Path(path).is_file():
-                                found = Path(path)
-                                break
+                            if re.search(r"/libgomp[^/]*\.so[^/]*$", path) and Path(path) not in mapped:
+                                mapped.append(Path(path))
                 except OSError:
-                    found = None
+                    mapped = []
+                mapped = [p for p in mapped if p.is_file()]
+                found = _choose_openmp_runtime(mapped, Path(torch.__file__).resolve().parent) if mapped else None
             _openmp_runtime = (True, found)
         return _openmp_runtime[1]
 

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(native.disabled_by_environment(), reason="kernel
 #: the three kernel libraries at 2 threads: digests of every output and gradient, the route, and the OpenMP
 #: runtimes mapped into the process
 _PROBE = r"""
-import hashlib, json, torch
+import hashlib, json
+import sklearn.datasets  # noqa: F401 - maps scikit-learn's own libgomp before torch's (its wheel bundles one)
+import torch
 from common import fused_head, fused_meanfield, fused_sampling, native
 from common.losses import make_loss
 torch.set_num_threads(2)
@@ -53,7 +55,7 @@ h, h2, eps = fused_sampling.sample_relu(m2, s2, 5, torch.Generator().manual_seed
 out["sampling"] = dig(h, h2, eps, *torch.autograd.grad((h + h2).sum(), (m2, s2)))
 out["openmp"] = [m._NATIVE.openmp for m in (fused_head, fused_meanfield, fused_sampling)]
 out["runtime"] = str(native.openmp_runtime())
-out["gomp_mapped"] = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l})
+out["torch_dir"] = str(__import__("pathlib").Path(torch.__file__).resolve().parent)
 print(json.dumps(out))
 """
 
@@ -80,9 +82,10 @@ def test_openmp_and_python_threads_give_identical_results(tmp_path: Path) -> Non
     py = _probe(tmp_path / "py", PGVI_KERNEL_OPENMP="0")
     assert py["openmp"] == [False, False, False] and py["runtime"] == "None"
     if _torch_on_gnu_openmp():
-        # every library on torch's runtime, and no second OpenMP runtime loaded beside it
+        # every library on torch's own runtime, not on scikit-learn's (mapped too, see the probe)
         assert omp["openmp"] == [True, True, True]
-        assert omp["gomp_mapped"] == [omp["runtime"]], omp["gomp_mapped"]
+        if (Path(omp["torch_dir"]) / "lib").exists() and any((Path(omp["torch_dir"]) / "lib").glob("libgomp*")):
+            assert omp["runtime"].startswith(omp["torch_dir"]), omp["runtime"]
     for key in ("head", "meanfield", "sampling"):
         assert omp[key] == py[key], key
 
@@ -99,6 +102,18 @@ def test_a_failed_openmp_build_falls_back_to_python_threads(tmp_path: Path, monk
     lib = native.NativeLibrary("meanfield_fallback", fused_meanfield._C_SOURCE, {})  # noqa: SLF001
     assert lib.get() is not None
     assert lib.openmp is False and lib.parallel_in_openmp() is False
+
+
+def test_the_runtime_chosen_is_torchs() -> None:
+    torch_dir = Path("/venv/site-packages/torch")
+    sk = Path("/venv/site-packages/scikit_learn.libs/libgomp-e985bcbb.so.1.0.0")
+    own = torch_dir / "lib" / "libgomp.so.1"
+    libs = torch_dir.parent / "torch.libs" / "libgomp-a34b3233.so.1"
+    system = Path("/usr/lib/x86_64-linux-gnu/libgomp.so.1")
+    assert native._choose_openmp_runtime([sk, own], torch_dir) == own  # noqa: SLF001
+    assert native._choose_openmp_runtime([libs, sk], torch_dir) == libs  # noqa: SLF001
+    assert native._choose_openmp_runtime([system], torch_dir) == system  # noqa: SLF001
+    assert native._choose_openmp_runtime([sk, system], torch_dir) is None  # noqa: SLF001
 
 
 def test_run_parallel_splits_like_run_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
