@@ -162,8 +162,9 @@ static inline int tensor_part(const int64_t *n, const int64_t *off, int64_t i, i
     return 1;
 }
 
-/* p: loc, raw, mp, lp, var, chain (K = 6); partial[g] = block g's sum; bad[i] += tensor i's Alpha-Renyi count.
-   Returns 1 if out of memory. */
+/* p: loc, raw, mp, lp, var, chain (K = 6); partial[g] = block g's sum; bad[t T + i] += the Alpha-Renyi count of
+   thread t's part of tensor i (a row per thread: no shared counter, with or without OpenMP).  Returns 1 if out
+   of memory. */
 int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                          const int64_t *restrict off, int64_t g0, int64_t g1, int nt, int kind, double alpha,
                          float min_scale, double *restrict partial, int64_t *restrict bad) {
@@ -177,12 +178,7 @@ int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *re
             const int64_t *q = p + 6 * i;
             int64_t r = pgvi_mf_forward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), e0, e1, kind, alpha, min_scale,
                                         wp(q[4]), wp(q[5]), partial + off[i]);
-            if (r < 0) {
-                oom = 1;
-            } else if (r > 0) {
-                #pragma omp atomic
-                bad[i] += r;
-            }
+            if (r < 0) oom = 1; else bad[t * T + i] += r;
         }
     }
     return oom;
@@ -271,10 +267,12 @@ class _VariancesAndDivergence(torch.autograd.Function):
         ptrs = np.array([t.data_ptr() for i in range(t_count)
                          for t in (locs[i], raws[i], mean_ps[i], lam_ps[i], variances[i], chains[i])], dtype=np.int64)
         partial = np.zeros(int(off[-1]), dtype=np.float64)
-        bad = np.zeros(t_count, dtype=np.int64)
+        counts: list[np.ndarray] = []  # one (threads, T) array of Alpha-Renyi counts per driver call
         oom = [0]
 
         def fwd(g0: int, g1: int, nt: int) -> None:
+            bad = np.zeros((nt, t_count), dtype=np.int64)
+            counts.append(bad)
             if lib.pgvi_mf_forward_many(t_count, ptrs.ctypes.data, n.ctypes.data, off.ctypes.data, g0, g1, nt, kind,
                                         alpha, min_scale, partial.ctypes.data, bad.ctypes.data):
                 oom[0] = 1
@@ -284,12 +282,14 @@ class _VariancesAndDivergence(torch.autograd.Function):
         if oom[0]:
             raise MemoryError("fused mean-field kernel: out of memory")
         total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
-        ctx.save_for_backward(*locs, *variances)  # the variances are outputs: saved with their version check
-        ctx.mean_ps, ctx.lam_ps, ctx.chains, ctx.n, ctx.off = mean_ps, lam_ps, chains, n, off
+        bad = sum((c.sum(axis=0) for c in counts), np.zeros(t_count, dtype=np.int64))
+        # the cavity's tensors too: modified in place before the backward, they would give wrong gradients
+        ctx.save_for_backward(*locs, *variances, *mean_ps, *lam_ps)
+        ctx.chains, ctx.n, ctx.off = chains, n, off
         ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
         ctx.set_materialize_grads(False)
         value = torch.tensor(c * total, dtype=locs[0].dtype)
-        n_bad = torch.from_numpy(bad)
+        n_bad = torch.from_numpy(np.ascontiguousarray(bad))
         ctx.mark_non_differentiable(n_bad)
         return (*variances, value, n_bad)
 
@@ -298,16 +298,17 @@ class _VariancesAndDivergence(torch.autograd.Function):
         lib = _NATIVE.get()
         assert lib is not None
         saved = ctx.saved_tensors
-        t_count = len(ctx.mean_ps)
-        locs, variances = saved[:t_count], saved[t_count:]
+        t_count = len(saved) // 4
+        locs, variances = saved[:t_count], saved[t_count:2 * t_count]
+        mean_ps, lam_ps = saved[2 * t_count:3 * t_count], saved[3 * t_count:]
         g_vars, g_value = grads[:t_count], grads[t_count]
         g_div = 0.0 if g_value is None else float(g_value) * ctx.c
         g_vars = [None if g is None else g.contiguous() for g in g_vars]
         g_locs = [torch.empty_like(loc) for loc in locs]
         g_raws = [torch.empty_like(loc) for loc in locs]
         ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
-                         for t in (locs[i], variances[i], ctx.chains[i], ctx.mean_ps[i], ctx.lam_ps[i], g_vars[i],
-                                   g_locs[i], g_raws[i])], dtype=np.int64)
+                         for t in (locs[i], variances[i], ctx.chains[i], mean_ps[i], lam_ps[i], g_vars[i], g_locs[i],
+                                   g_raws[i])], dtype=np.int64)
 
         def bwd(g0: int, g1: int, nt: int) -> None:
             lib.pgvi_mf_backward_many(t_count, ptrs.ctypes.data, ctx.n.ctypes.data, ctx.off.ctypes.data, g_div, g0,

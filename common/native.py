@@ -123,6 +123,17 @@ def _cpu_flags() -> str:
 
 _openmp_lock = threading.Lock()
 _openmp_runtime: tuple[bool, Path | None] = (False, None)
+#: set in every child forked after this module was imported (see NativeLibrary.parallel_in_openmp)
+_forked_child = False
+
+
+def _mark_forked_child() -> None:
+    global _forked_child
+    _forked_child = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked_child)
 
 
 def _choose_openmp_runtime(mapped: list[Path], torch_dir: Path) -> Path | None:
@@ -163,21 +174,26 @@ def openmp_runtime() -> Path | None:
         return _openmp_runtime[1]
 
 
-def openmp_flags(runtime: Path) -> list[str]:
-    """Flags that build a library on ``runtime`` (its soname becomes the library's ``DT_NEEDED`` entry, which
-    the dynamic loader resolves to the copy torch already loaded)."""
-    return ["-fopenmp", str(runtime), f"-Wl,-rpath,{runtime.parent}"]
+def openmp_flags(runtime: Path) -> tuple[list[str], list[str]]:
+    """``(compiler flags, linker inputs)`` that build a library on ``runtime``: its soname becomes the library's
+    ``DT_NEEDED`` entry, which the dynamic loader resolves to the copy torch already loaded.  The linker inputs
+    go after the source: with ``--as-needed`` (Debian's and Ubuntu's default) a library named before the objects
+    that use it is dropped, and the symbols then come from ``-fopenmp``'s implicit ``-lgomp``, the system's."""
+    return ["-fopenmp"], [str(runtime), f"-Wl,-rpath,{runtime.parent}"]
 
 
-def compile_library(name: str, source: str, extra_flags: list[str] | None = None) -> Path:
-    """Compile ``PRELUDE + source`` into the cache (if not there yet) and return the shared object's path."""
+def compile_library(name: str, source: str, extra_flags: list[str] | None = None,
+                    link_inputs: list[str] | None = None) -> Path:
+    """Compile ``PRELUDE + source`` into the cache (if not there yet) and return the shared object's path;
+    ``extra_flags`` go before the source, ``link_inputs`` after it."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set $CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     full, flags = PRELUDE + source, compile_flags() + list(extra_flags or [])
+    after = list(link_inputs or [])
     key = hashlib.sha256(
-        "\0".join([full, " ".join(flags), version, platform.machine(), _cpu_flags()]).encode()
+        "\0".join([full, " ".join(flags + after), version, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:20]
     cache = cache_dir()
     if not _private_dir(cache):
@@ -188,7 +204,7 @@ def compile_library(name: str, source: str, extra_flags: list[str] | None = None
             src = Path(tmp) / f"pgvi_{name}.c"
             src.write_text(full, encoding="utf-8")
             out = Path(tmp) / so.name
-            proc = subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
+            proc = subprocess.run([cc, *flags, str(src), *after, "-o", str(out), "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -208,10 +224,9 @@ class NativeLibrary:
         self._tried = False
         #: the loaded build runs its ``omp parallel`` regions on torch's OpenMP pool (see the module docstring)
         self.openmp = False
-        self._pid = os.getpid()
 
-    def _load_build(self, extra_flags: list[str]) -> ctypes.CDLL:
-        lib = ctypes.CDLL(str(compile_library(self.name, self.source, extra_flags)))
+    def _load_build(self, extra_flags: list[str], link_inputs: list[str]) -> ctypes.CDLL:
+        lib = ctypes.CDLL(str(compile_library(self.name, self.source, extra_flags, link_inputs)))
         for fn, (argtypes, restype) in self.signatures.items():
             f = getattr(lib, fn)
             f.argtypes, f.restype = argtypes, restype
@@ -223,12 +238,12 @@ class NativeLibrary:
         runtime = openmp_runtime()
         if runtime is not None:
             try:
-                lib = self._load_build(openmp_flags(runtime))
-                self.openmp, self._pid = True, os.getpid()
+                lib = self._load_build(*openmp_flags(runtime))
+                self.openmp = True
                 return lib
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
                 _LOG.info("%s kernels: no OpenMP build on %s (%s); Python threads instead", self.name, runtime, err)
-        return self._load_build([])
+        return self._load_build([], [])
 
     def get(self) -> ctypes.CDLL | None:
         with self._lock:
@@ -244,11 +259,13 @@ class NativeLibrary:
             return self._lib
 
     def parallel_in_openmp(self) -> bool:
-        """Whether :func:`run_parallel` may hand all threads to the build's OpenMP regions: an OpenMP build, in
-        the process that loaded it.  A forked child must not: libgomp's pool is the parent's, whose threads do
-        not exist in the child, and its first region with more than one thread hangs (so do torch's own
-        GEMMs there).  The child uses Python threads, each running the driver with one thread."""
-        return self.openmp and os.getpid() == self._pid
+        """Whether :func:`run_parallel` may hand all threads to the build's OpenMP regions: an OpenMP build, not
+        in a forked child.  In a child forked from a process whose libgomp pool exists (torch's GEMMs create it,
+        so do our kernels), the pool's threads are the parent's and do not exist in the child: its first region
+        with more than one thread hangs (torch's own GEMMs there too).  Whether the parent created the pool does
+        not matter, nor whether the parent or the child loaded the kernels: every child forked after this
+        module's import uses Python threads, each running the driver with one thread."""
+        return self.openmp and not _forked_child
 
 
 _pool_lock = threading.Lock()

@@ -255,7 +255,11 @@ sd = torch.full((64, 100), 0.5)
 def digest():
     h = fs.sample_relu(mu, sd, 4, torch.Generator().manual_seed(1))[0]
     return hashlib.sha256(h.numpy().tobytes()).hexdigest()
-parent = digest()  # creates this process's thread pool
+if sys.argv[1] == "parent-loads":
+    parent = digest()  # loads the kernels and creates this process's thread pool
+else:  # only torch creates the pool (a two-thread GEMM); the child is the first to load the kernels
+    a = torch.rand(512, 512)
+    (a @ a).sum()
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:
@@ -264,20 +268,24 @@ if pid == 0:
 os.close(w)
 child = os.read(r, 100).decode()
 os.waitpid(pid, 0)
+if sys.argv[1] != "parent-loads":
+    parent = digest()
 print("same" if child == parent else f"differ {parent} {child}")
 """
 
 
-def test_threaded_kernels_work_in_a_forked_child() -> None:
-    """A forked child (multiprocessing's default start on Linux) gets its own thread pool: with its parent's,
-    whose threads do not exist in the child, the first threaded kernel call hung.  Run in a fresh interpreter
-    with a timeout, so a hang fails the test instead of the suite."""
+@pytest.mark.parametrize("who", ["parent-loads", "child-loads"])
+def test_threaded_kernels_work_in_a_forked_child(who: str) -> None:
+    """A forked child (multiprocessing's default start on Linux) must not use its parent's thread pool, whose
+    threads do not exist in the child: the first threaded kernel call hung, whether the parent had loaded the
+    kernels or only run a torch GEMM on two threads before the fork.  Run in a fresh interpreter with a timeout,
+    so a hang fails the test instead of the suite."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-c", _FORK_PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_PROBE, who], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=90)
     finally:  # the probe and a hung forked child, if any
         try:
             os.killpg(proc.pid, signal.SIGKILL)

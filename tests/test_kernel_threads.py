@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,70 @@ def test_run_parallel_splits_like_run_chunks(monkeypatch: pytest.MonkeyPatch) ->
         assert sorted(calls) == [(0, 4096, 1), (4096, 10_000, 1)]
     finally:
         torch.set_num_threads(before)
+
+
+def _needed(so: Path) -> list[str]:
+    out = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, timeout=60, check=True).stdout
+    return [line.split("[", 1)[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None or native._compiler() is None,  # noqa: SLF001
+                    reason="needs readelf and a C compiler")
+def test_the_library_needs_the_runtime_it_was_linked_against(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime's soname must end up in DT_NEEDED even where the linker runs with --as-needed (Debian's
+    default), which drops a library named before the objects that use it; the symbols then came from the
+    system's libgomp (-fopenmp's implicit -lgomp), a second OpenMP runtime beside torch's whenever torch's copy
+    has another soname (wheels that bundle libgomp-<hash>.so).  scikit-learn's wheel bundles such a copy."""
+    import sklearn
+
+    hashed = sorted((Path(sklearn.__file__).resolve().parent.parent / "scikit_learn.libs").glob("libgomp-*.so*"))
+    if not hashed:
+        pytest.skip("no libgomp with a hashed soname here")
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("PGVI_KERNEL_CACHE", str(cache))
+    from common import fused_meanfield
+
+    so = native.compile_library("meanfield_link", fused_meanfield._C_SOURCE, *native.openmp_flags(hashed[0]))  # noqa: SLF001
+    soname = subprocess.run(["readelf", "-d", str(hashed[0])], capture_output=True, text=True, timeout=60,
+                            check=True).stdout.split("Library soname: [", 1)[1].split("]", 1)[0]
+    needed = _needed(so)
+    assert [n for n in needed if "gomp" in n] == [soname], needed
+
+
+def test_alpha_renyi_counts_have_a_row_per_thread() -> None:
+    """The forward driver counts a thread's out-of-domain coordinates in its own row, so the Python-thread route
+    (a build without OpenMP ignores `omp atomic`) has no shared counter: with two threads over two blocks of one
+    tensor, each thread's row holds its own block's violations."""
+    import numpy as np
+
+    from common import fused_meanfield as fm
+
+    lib = fm._NATIVE.get()  # noqa: SLF001
+    n = 2 * fm.BLOCK
+    loc, mp = torch.zeros(n), torch.zeros(n)
+    raw = torch.full((n,), -3.0)
+    lp = torch.ones(n)
+    lp[:37] = 1e9  # outside the alpha = 2.5 domain: 37 in the first block, 5 in the second
+    lp[fm.BLOCK + 100:fm.BLOCK + 105] = 1e9
+    var, chain = torch.empty(n), torch.empty(n)
+    ptrs = np.array([t.data_ptr() for t in (loc, raw, mp, lp, var, chain)], dtype=np.int64)
+    counts, off = np.array([n], dtype=np.int64), np.array([0, 2], dtype=np.int64)
+    partial = np.zeros(2)
+    bad = np.zeros((2, 1), dtype=np.int64)
+    assert lib.pgvi_mf_forward_many(1, ptrs.ctypes.data, counts.ctypes.data, off.ctypes.data, 0, 2, 2, 2, 2.5, 1e-6,
+                                    partial.ctypes.data, bad.ctypes.data) == 0
+    assert bad.tolist() == [[37], [5]]
+
+
+def test_the_cavity_changed_in_place_before_the_backward_is_an_error() -> None:
+    from common import fused_meanfield as fm
+
+    g = torch.Generator().manual_seed(0)
+    loc = torch.randn(100, generator=g, requires_grad=True)
+    raw = torch.full((100,), -3.0, requires_grad=True)
+    mp, lp = torch.zeros(100), torch.ones(100)
+    _, value, _ = fm.variance_and_divergence(loc, raw, mp, lp, "kl", 1.0, 0.5, 1e-6)
+    mp.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        value.backward()
