@@ -274,8 +274,6 @@ _NATIVE = NativeLibrary(
     "head",
     _C_SOURCE,
     {
-        "pgvi_head_block": ([_VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP, _I64, _VP, _I64, _I64, _U32, _U32, _F, _F,
-                             _I, _I64, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _VP], ctypes.c_int),
         "pgvi_head_run": ([_VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP, _I64, _VP, _I64, _I64, _U32, _U32, _F, _F,
                            _I, _I64, _I64, _I64, _I, _VP, _VP, _VP, _VP, _VP, _VP, _VP, _VP], None),
     },

@@ -226,7 +226,6 @@ _NATIVE = NativeLibrary(
     _C_SOURCE,
     {
         "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
-        "pgvi_mf_backward": ([_VP, _VP, _VP, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _F32, _VP, _VP], None),
         "pgvi_mf_forward_many": ([_I64, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP], _INT),
         "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32], None),
     },

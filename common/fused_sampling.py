@@ -273,10 +273,6 @@ _NATIVE = NativeLibrary(
     {
         "pgvi_normals": ([_VP, _I64, _U32, _U32, _U32], None),
         "pgvi_philox_raw": ([_VP, _U32, _U32, _U32, _U32], None),
-        "pgvi_relu_sample_fwd": ([_VP, _VP, _I64, _I64, _I64, _U32, _U32, _VP, _VP, _VP], None),
-        "pgvi_relu_sample_bwd": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP], None),
-        "pgvi_relu_sample_bwd_linear": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _VP, _VP],
-                                        ctypes.c_int),
         "pgvi_relu_sample_fwd_run": ([_VP, _VP, _I64, _I64, _I64, _INT, _U32, _U32, _VP, _VP, _VP], None),
         "pgvi_relu_sample_bwd_run": ([_VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT, _VP, _VP], None),
         "pgvi_relu_sample_bwd_linear_run": ([_VP, _VP, _VP, _VP, _I64, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT,

@@ -275,14 +275,14 @@ class _Objective:
             return None
         fd = self.fast_divergence
         if fd is not None and self.path == "mc_local_reparam" and fused_meanfield.applies_to(q.locs[0]):
-            locs = list(q.locs)
+            means = q.means()
             vs, total, bad = fused_meanfield.variances_and_divergence(
-                locs, list(q.raw_scales), [fd.mean_p[k] for k in q.names], [fd.lam_p[k] for k in q.names], fd.kind,
-                fd.alpha, 0.5 * fd.weight, q.min_scale)
-            for name, loc, b in zip(q.names, locs, bad):
+                list(means.values()), list(q.raw_scales), [fd.mean_p[k] for k in means], [fd.lam_p[k] for k in means],
+                fd.kind, fd.alpha, 0.5 * fd.weight, q.min_scale)
+            for (name, loc), b in zip(means.items(), bad):
                 if b:
                     raise _alpha_renyi_undefined(fd.alpha, b, loc.numel(), name)
-            return _Moments(dict(zip(q.names, locs)), None, dict(zip(q.names, vs)), total)
+            return _Moments(means, None, dict(zip(means, vs)), total)
         means, scales = q.means(), q.scales()
         return _Moments(means, scales, {k: v * v for k, v in scales.items()})
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -121,8 +122,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-_openmp_lock = threading.Lock()
-_openmp_runtime: tuple[bool, Path | None] = (False, None)
 #: set in every child forked after this module was imported (see NativeLibrary.parallel_in_openmp)
 _forked_child = False
 
@@ -147,31 +146,27 @@ def _choose_openmp_runtime(mapped: list[Path], torch_dir: Path) -> Path | None:
     return mapped[0] if len(mapped) == 1 else None
 
 
+@functools.cache
+def _detected_openmp_runtime() -> Path | None:
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            mapped = dict.fromkeys(Path(path) for path in (line.split()[-1] for line in f if line.strip())
+                                   if re.search(r"/libgomp[^/]*\.so[^/]*$", path))
+    except OSError:
+        return None
+    return _choose_openmp_runtime([p for p in mapped if p.is_file()], Path(torch.__file__).resolve().parent)
+
+
 def openmp_runtime() -> Path | None:
     """The GNU OpenMP runtime (``libgomp``) that torch's intra-op threads run on, as the path of the file mapped
     into this process, or ``None``: ATen's parallel backend is not OpenMP, torch's ``libgomp`` cannot be told
     apart (:func:`_choose_openmp_runtime`), none is mapped (another OpenMP runtime, or not Linux), or
-    ``PGVI_KERNEL_OPENMP=0``."""
-    global _openmp_runtime
+    ``PGVI_KERNEL_OPENMP=0``.  Detected once per process."""
     if os.environ.get("PGVI_KERNEL_OPENMP", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    with _openmp_lock:
-        if not _openmp_runtime[0]:
-            found: Path | None = None
-            if "parallel backend: OpenMP" in torch.__config__.parallel_info():
-                mapped: list[Path] = []
-                try:
-                    with open("/proc/self/maps", encoding="utf-8") as f:
-                        for line in f:
-                            path = line.split()[-1] if line.strip() else ""
-                            if re.search(r"/libgomp[^/]*\.so[^/]*$", path) and Path(path) not in mapped:
-                                mapped.append(Path(path))
-                except OSError:
-                    mapped = []
-                mapped = [p for p in mapped if p.is_file()]
-                found = _choose_openmp_runtime(mapped, Path(torch.__file__).resolve().parent) if mapped else None
-            _openmp_runtime = (True, found)
-        return _openmp_runtime[1]
+    return _detected_openmp_runtime()
 
 
 def openmp_flags(runtime: Path) -> tuple[list[str], list[str]]:

@@ -203,9 +203,12 @@ def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float])
     import re
     import subprocess
 
-    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--n", str(args.n), "--batch", str(args.batch),
-           "--samples", str(args.samples), "--hidden", str(args.hidden), "--repeats", str(args.repeats),
-           "--seed", str(args.seed)] + (["--default-allocator"] if args.default_allocator else [])
+    cmd = [sys.executable, __file__]
+    for key, value in vars(args).items():  # every option of this run, but not the profile or the comparison
+        if key in ("profile", "compare_torch_path") or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        cmd += [flag] if value is True else [flag, str(value)]
     out = subprocess.run(cmd, env=dict(os.environ, PGVI_FUSED_KERNELS="0"), capture_output=True, text=True,
                          check=True).stdout
     torch_epoch = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\[(.+?)\] epoch ([0-9.]+) s wall", out, re.M)}
