@@ -30,6 +30,17 @@ class DivergenceUndefinedError(PGVIError, ValueError):
     """A divergence has no finite value for these arguments (e.g. Alpha-Renyi with alpha > 1 when
     alpha * eta_q + (1 - alpha) * eta_p is not a proper natural parameter)."""
 
+    @classmethod
+    def alpha_renyi(cls, alpha: float, bad: int, numel: int, name: str) -> DivergenceUndefinedError:
+        """The error of a mean-field Alpha-Renyi divergence undefined in ``bad`` of the ``numel`` coordinates
+        of tensor ``name``."""
+        return cls(
+            f"Alpha-Renyi divergence with alpha={alpha:g} is infinite: combined precision "
+            f"alpha*lambda_q + (1-alpha)*lambda_p <= 0 in {bad} of {numel} coordinates of '{name}'"
+            + (f"; for alpha > 1, q must satisfy sigma_q^2 < {alpha / (alpha - 1.0):.4g} * sigma_p^2"
+               if alpha > 1.0 else "")
+        )
+
 
 class NonFiniteError(PGVIError, ValueError):
     """A tensor that must be finite contains NaN or infinity."""

@@ -304,9 +304,13 @@ def loss_spec(loss: Loss) -> tuple[float, float] | None:
     return None
 
 
-def _run(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor, y: Tensor,
-         n_draws: int, delta: float, gscale: float, k0: int, k1: int, want_grad: bool
-         ) -> tuple[float, tuple[Tensor, ...] | None]:
+def loss_and_gradients(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,
+                       y: Tensor, n_draws: int, delta: float, gscale: float, k0: int, k1: int, want_grad: bool
+                       ) -> tuple[float, tuple[Tensor, ...] | None]:
+    """The kernel on contiguous, detached float32 tensors (no checks, no autograd; ``sd`` = the standard
+    deviations): ``(sum of the per-row losses, unscaled; gradients or None)``, the gradients
+    ``(d/dmu, d/dvar, d/dw_mean, d/db_mean, d/dw_var, d/db_var)`` of ``gscale`` times that sum.  The labels
+    ``y`` are int64.  :class:`_CategoricalHead` and :mod:`common.explicit_step` both run it."""
     lib = _NATIVE.get()
     assert lib is not None
     rows, width = mu.shape
@@ -346,8 +350,8 @@ class _CategoricalHead(torch.autograd.Function):
                 y: Tensor, n_samples: int, n_draws: int, delta: float, weight: float, k0: int, k1: int,
                 want: bool) -> Tensor:
         c = lambda t: t.detach().contiguous()  # noqa: E731
-        total, grads = _run(c(mu), c(var).sqrt(), c(w_mean), c(b_mean), c(w_var), c(b_var), c(y), n_draws,
-                            delta, weight / n_samples, k0, k1, want)
+        total, grads = loss_and_gradients(c(mu), c(var).sqrt(), c(w_mean), c(b_mean), c(w_var), c(b_var), c(y),
+                                          n_draws, delta, weight / n_samples, k0, k1, want)
         ctx.grads = grads
         return torch.tensor(total * weight / n_samples, dtype=mu.dtype)
 
@@ -392,11 +396,12 @@ def expected_loss(mu: Tensor, var: Tensor, w_mean: Tensor, b_mean: Tensor, w_var
         raise ValueError(f"fused head: n_draws must be in [1, 2^31) and n_samples >= 1, got {n_draws}, {n_samples}")
     if mu.numel() >= 2**34:
         raise ValueError("fused head: more than 2^34 elements per draw")
-    k0, k1 = fused_sampling._key(generator)  # noqa: SLF001 - one key per call, as the sampler draws it
+    k0, k1 = fused_sampling.draw_key(generator)  # one key per call, as the sampler draws it
     delta, weight = spec
     want = torch.is_grad_enabled() and any(t.requires_grad for t in (mu, var, w_mean, b_mean, w_var, b_var))
     return _CategoricalHead.apply(mu, var, w_mean, b_mean, w_var, b_var, labels, int(n_samples), int(n_draws),
                                   float(delta), float(weight), k0, k1, want)
 
 
-__all__ = ["BLOCK_ROWS", "MAX_CLASSES", "OUTPUT_STREAM", "applies_to", "available", "expected_loss", "loss_spec"]
+__all__ = ["BLOCK_ROWS", "MAX_CLASSES", "OUTPUT_STREAM", "applies_to", "available", "expected_loss",
+           "loss_and_gradients", "loss_spec"]

@@ -20,6 +20,7 @@ typed error as the torch path.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -249,72 +250,105 @@ def _blocks(tensors: list[Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return n, off
 
 
+@dataclass
+class MomentPass:
+    """What the forward pass leaves for the backward: the inputs, the variances and ``d var / d raw``, and
+    the block numbering (see :func:`forward`)."""
+
+    locs: list[Tensor]
+    variances: list[Tensor]
+    chains: list[Tensor]
+    mean_ps: list[Tensor]
+    lam_ps: list[Tensor]
+    n: np.ndarray
+    off: np.ndarray
+
+
+def forward(locs: list[Tensor], raws: list[Tensor], mean_ps: list[Tensor], lam_ps: list[Tensor], kind: int,
+            alpha: float, min_scale: float) -> tuple[MomentPass, float, np.ndarray]:
+    """One C call over T tensors (contiguous float32, detached): ``(state, sum_i sum_j f_ij, undefined counts
+    per tensor)``, the variances in ``state.variances``.  No autograd: :class:`_VariancesAndDivergence` and
+    :mod:`common.explicit_step` both run it."""
+    lib = _NATIVE.get()
+    assert lib is not None
+    t_count = len(locs)
+    n, off = _blocks(locs)
+    variances = [torch.empty_like(loc) for loc in locs]
+    chains = [torch.empty_like(loc) for loc in locs]  # d var / d raw, for the backward
+    ptrs = np.array([t.data_ptr() for i in range(t_count)
+                     for t in (locs[i], raws[i], mean_ps[i], lam_ps[i], variances[i], chains[i])], dtype=np.int64)
+    partial = np.zeros(int(off[-1]), dtype=np.float64)
+    counts: list[np.ndarray] = []  # one (threads, T) array of Alpha-Renyi counts per driver call
+    oom = [0]
+
+    def fwd(g0: int, g1: int, nt: int) -> None:
+        bad = np.zeros((nt, t_count), dtype=np.int64)
+        counts.append(bad)
+        if lib.pgvi_mf_forward_many(t_count, ptrs.ctypes.data, n.ctypes.data, off.ctypes.data, g0, g1, nt, kind,
+                                    alpha, min_scale, partial.ctypes.data, bad.ctypes.data):
+            oom[0] = 1
+
+    if off[-1]:
+        run_parallel(_NATIVE, fwd, int(off[-1]))
+    if oom[0]:
+        raise MemoryError("fused mean-field kernel: out of memory")
+    total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
+    bad = sum((c.sum(axis=0) for c in counts), np.zeros(t_count, dtype=np.int64))
+    return MomentPass(locs, variances, chains, mean_ps, lam_ps, n, off), total, bad
+
+
+def backward(state: MomentPass, g_vars: list[Tensor | None], g_div: float, kind: int, alpha: float
+             ) -> tuple[list[Tensor], list[Tensor]]:
+    """The gradients w.r.t. the locs and the raw scales, given the loss's gradients w.r.t. the variances
+    (``None``: none) and ``g_div`` = the gradient w.r.t. the divergence's sum (already times ``c``)."""
+    lib = _NATIVE.get()
+    assert lib is not None
+    t_count = len(state.locs)
+    g_vars = [None if g is None else g.contiguous() for g in g_vars]
+    g_locs = [torch.empty_like(loc) for loc in state.locs]
+    g_raws = [torch.empty_like(loc) for loc in state.locs]
+    ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
+                     for t in (state.locs[i], state.variances[i], state.chains[i], state.mean_ps[i], state.lam_ps[i],
+                               g_vars[i], g_locs[i], g_raws[i])], dtype=np.int64)
+
+    def bwd(g0: int, g1: int, nt: int) -> None:
+        lib.pgvi_mf_backward_many(t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data, g_div, g0,
+                                  g1, nt, kind, alpha)
+
+    if state.off[-1]:
+        run_parallel(_NATIVE, bwd, int(state.off[-1]))
+    return g_locs, g_raws
+
+
 class _VariancesAndDivergence(torch.autograd.Function):
     """``(v_1 .. v_T, c sum_i sum_j f_ij, n_undefined per tensor)`` for T (loc, raw) pairs in one C call each way."""
 
     @staticmethod
     def forward(ctx, spec: tuple, *tensors: Tensor):  # type: ignore[override]
         kind, alpha, c, min_scale, mean_ps, lam_ps = spec
-        lib = _NATIVE.get()
-        assert lib is not None
         t_count = len(mean_ps)
         locs = [t.detach().contiguous() for t in tensors[:t_count]]
         raws = [t.detach().contiguous() for t in tensors[t_count:]]
-        n, off = _blocks(locs)
-        variances = [torch.empty_like(loc) for loc in locs]
-        chains = [torch.empty_like(loc) for loc in locs]  # d var / d raw, for the backward
-        ptrs = np.array([t.data_ptr() for i in range(t_count)
-                         for t in (locs[i], raws[i], mean_ps[i], lam_ps[i], variances[i], chains[i])], dtype=np.int64)
-        partial = np.zeros(int(off[-1]), dtype=np.float64)
-        counts: list[np.ndarray] = []  # one (threads, T) array of Alpha-Renyi counts per driver call
-        oom = [0]
-
-        def fwd(g0: int, g1: int, nt: int) -> None:
-            bad = np.zeros((nt, t_count), dtype=np.int64)
-            counts.append(bad)
-            if lib.pgvi_mf_forward_many(t_count, ptrs.ctypes.data, n.ctypes.data, off.ctypes.data, g0, g1, nt, kind,
-                                        alpha, min_scale, partial.ctypes.data, bad.ctypes.data):
-                oom[0] = 1
-
-        if off[-1]:
-            run_parallel(_NATIVE, fwd, int(off[-1]))
-        if oom[0]:
-            raise MemoryError("fused mean-field kernel: out of memory")
-        total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
-        bad = sum((c.sum(axis=0) for c in counts), np.zeros(t_count, dtype=np.int64))
+        state, total, bad = forward(locs, raws, mean_ps, lam_ps, kind, alpha, min_scale)
         # the cavity's tensors too: modified in place before the backward, they would give wrong gradients
-        ctx.save_for_backward(*locs, *variances, *mean_ps, *lam_ps)
-        ctx.chains, ctx.n, ctx.off = chains, n, off
+        ctx.save_for_backward(*locs, *state.variances, *mean_ps, *lam_ps)
+        ctx.chains, ctx.n, ctx.off = state.chains, state.n, state.off
         ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
         ctx.set_materialize_grads(False)
         value = torch.tensor(c * total, dtype=locs[0].dtype)
         n_bad = torch.from_numpy(np.ascontiguousarray(bad))
         ctx.mark_non_differentiable(n_bad)
-        return (*variances, value, n_bad)
+        return (*state.variances, value, n_bad)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
-        lib = _NATIVE.get()
-        assert lib is not None
         saved = ctx.saved_tensors
         t_count = len(saved) // 4
-        locs, variances = saved[:t_count], saved[t_count:2 * t_count]
-        mean_ps, lam_ps = saved[2 * t_count:3 * t_count], saved[3 * t_count:]
-        g_vars, g_value = grads[:t_count], grads[t_count]
+        state = MomentPass(list(saved[:t_count]), list(saved[t_count:2 * t_count]), ctx.chains,
+                           list(saved[2 * t_count:3 * t_count]), list(saved[3 * t_count:]), ctx.n, ctx.off)
+        g_value = grads[t_count]
         g_div = 0.0 if g_value is None else float(g_value) * ctx.c
-        g_vars = [None if g is None else g.contiguous() for g in g_vars]
-        g_locs = [torch.empty_like(loc) for loc in locs]
-        g_raws = [torch.empty_like(loc) for loc in locs]
-        ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
-                         for t in (locs[i], variances[i], ctx.chains[i], mean_ps[i], lam_ps[i], g_vars[i], g_locs[i],
-                                   g_raws[i])], dtype=np.int64)
-
-        def bwd(g0: int, g1: int, nt: int) -> None:
-            lib.pgvi_mf_backward_many(t_count, ptrs.ctypes.data, ctx.n.ctypes.data, ctx.off.ctypes.data, g_div, g0,
-                                      g1, nt, ctx.kind, ctx.alpha)
-
-        if ctx.off[-1]:
-            run_parallel(_NATIVE, bwd, int(ctx.off[-1]))
+        g_locs, g_raws = backward(state, list(grads[:t_count]), g_div, ctx.kind, ctx.alpha)
         return (None, *g_locs, *g_raws)
 
 

@@ -297,7 +297,8 @@ def _split_key(key: int) -> tuple[int, int]:
     return key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
 
 
-def _key(generator: torch.Generator | None) -> tuple[int, int]:
+def draw_key(generator: torch.Generator | None) -> tuple[int, int]:
+    """The 64-bit Philox key of one kernel call, as two 32-bit words: one draw from ``generator``."""
     return _split_key(int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64)))
 
 
@@ -376,7 +377,7 @@ def sample_relu(
     for ``mu, sd`` of shape ``(R, H)`` (float32, CPU); differentiable w.r.t. ``mu`` and ``sd`` through ``h``
     and ``h^2`` (``eps`` is returned for tests and diagnostics).  Call only where :func:`applies_to` holds."""
     _check(mu, sd, n_samples, "sample_relu")
-    k0, k1 = _key(generator)
+    k0, k1 = draw_key(generator)
     return _SampleReLU.apply(mu, sd, int(n_samples), k0, k1)
 
 
@@ -449,7 +450,7 @@ def sample_relu_linear(
             or b_var.shape != (out,)):
         raise ValueError(f"sample_relu_linear: weights must be (out, {mu.shape[1]}) and biases (out,), got "
                          f"{tuple(w_mean.shape)}, {tuple(b_mean.shape)}, {tuple(w_var.shape)}, {tuple(b_var.shape)}")
-    k0, k1 = _key(generator)
+    k0, k1 = draw_key(generator)
     return _SampleReLULinear.apply(mu, sd, w_mean, b_mean, w_var, b_var, int(n_samples), k0, k1)
 
 
@@ -475,4 +476,5 @@ def standard_normal(n: int, stream: int, key: int) -> Tensor:
     return out
 
 
-__all__ = ["MAX_FOLDED_WIDTH", "PHILOX_SOURCE", "philox_words", "applies_to", "available", "sample_relu", "sample_relu_linear", "standard_normal"]
+__all__ = ["MAX_FOLDED_WIDTH", "PHILOX_SOURCE", "philox_words", "applies_to", "available", "draw_key", "sample_relu",
+           "sample_relu_linear", "standard_normal"]

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
+from common.explicit_step import OneHiddenLayerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common import fused_meanfield
 from common.adam import Adam
@@ -281,7 +282,7 @@ class _Objective:
                 fd.kind, fd.alpha, 0.5 * fd.weight, q.min_scale)
             for (name, loc), b in zip(means.items(), bad):
                 if b:
-                    raise _alpha_renyi_undefined(fd.alpha, b, loc.numel(), name)
+                    raise DivergenceUndefinedError.alpha_renyi(fd.alpha, b, loc.numel(), name)
             return _Moments(means, None, dict(zip(means, vs)), total)
         means, scales = q.means(), q.scales()
         return _Moments(means, scales, {k: v * v for k, v in scales.items()})
@@ -418,15 +419,6 @@ class MeanFieldMomentDivergence:
         return total
 
 
-def _alpha_renyi_undefined(alpha: float, bad: int, numel: int, name: str) -> DivergenceUndefinedError:
-    return DivergenceUndefinedError(
-        f"Alpha-Renyi divergence with alpha={alpha:g} is infinite: combined precision "
-        f"alpha*lambda_q + (1-alpha)*lambda_p <= 0 in {bad} of {numel} coordinates of '{name}'"
-        + (f"; for alpha > 1, q must satisfy sigma_q^2 < {alpha / (alpha - 1.0):.4g} * sigma_p^2"
-           if alpha > 1.0 else "")
-    )
-
-
 class _MomentDivergenceFn(torch.autograd.Function):
     """``c * sum_i f(mu_i, v_i)`` for one tensor with the analytic gradient (``c = weight / 2``).
 
@@ -458,7 +450,7 @@ class _MomentDivergenceFn(torch.autograd.Function):
             extreme = float(u.max()) if alpha > 1.0 else float(u.min())
             if not (1.0 + (1.0 - alpha) * extreme > 0.0):
                 a_all = (1.0 - alpha) * u
-                raise _alpha_renyi_undefined(alpha, int((~(a_all > -1.0)).sum()), u.numel(), name)
+                raise DivergenceUndefinedError.alpha_renyi(alpha, int((~(a_all > -1.0)).sum()), u.numel(), name)
             a = u * (1.0 - alpha)
             inv1a = torch.reciprocal(a + 1.0)
             log_term = log1p(a).sub_(log1p(u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
@@ -583,6 +575,9 @@ def local_gvi(
     optimiser = Adam([(q.loc_parameters(), config.lr), (q.scale_parameters(), lr_scale)])
     gen = torch.Generator().manual_seed(int(config.seed))
 
+    # the one-hidden-layer BNN's step without autograd where it applies (bit-identical: common/explicit_step.py)
+    explicit = (OneHiddenLayerStep.create(model, loss, q, obj.fast_divergence, obj.x, obj.y, config.n_samples)
+                if obj.path == "mc_local_reparam" else None)
     running_mode = config.objective_estimate == "running"
     # "running": no extra pass over the data; the initial state is not a candidate (its value is unknown)
     initial = float("nan") if running_mode else obj.evaluate(q)
@@ -599,6 +594,11 @@ def local_gvi(
             perm = torch.randperm(n, generator=gen)
             batches = [perm[s:s + bsz] for s in range(0, n, bsz)]
         for step, idx in enumerate(batches):
+            if explicit is not None:
+                expected, div = explicit(idx, gen)  # sets the parameters' .grad
+                running.append(_finite_float(expected, div, f"epoch {epoch}, step {step}"))
+                optimiser.step()
+                continue
             optimiser.zero_grad()
             moments = obj.moments(q)
             if obj.path == "closed_form":
