@@ -57,6 +57,32 @@ class Adam:
             for p in ps:
                 p.grad = None
 
+    def constants(self) -> tuple[float, float, float, float]:
+        """``(1 - beta1, beta2, 1 - beta2, eps)``: the update's constants, for a kernel that applies it."""
+        return 1.0 - self.beta1, self.beta2, 1.0 - self.beta2, self.eps
+
+    def advance(self, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, float, float]]:
+        """Count one step of ``params`` and return what a kernel needs to apply that step itself, per parameter:
+        ``(exp_avg, exp_avg_sq, -lr / (1 - beta1^t), sqrt(1 - beta2^t))`` in float64, formed as torch's fused
+        kernel forms them (from the float32 step counter).  The caller must then update every parameter, its
+        ``exp_avg`` and ``exp_avg_sq`` in place with the update of :meth:`step` (``common.fused_meanfield``'s
+        fused update does, bit-identically to torch's kernel).  Only where :meth:`fused_applies` holds."""
+        lr_of = {id(p): lr for ps, lr in self.groups for p in ps}
+        if any(id(p) not in lr_of for p in params):
+            raise ValueError("Adam.advance: a parameter is not in any group")
+        steps = [self.steps[id(p)] for p in params]
+        torch._foreach_add_(steps, 1)
+        out = []
+        for p, st in zip(params, steps):
+            t = float(st)
+            bc1, bc2 = 1.0 - math.pow(self.beta1, t), 1.0 - math.pow(self.beta2, t)
+            out.append((self.exp_avg[id(p)], self.exp_avg_sq[id(p)], -(lr_of[id(p)] / bc1), math.sqrt(bc2)))
+        return out
+
+    def fused_applies(self, params: Sequence[Tensor]) -> bool:
+        """Whether :meth:`step` updates ``params`` with torch's fused kernel (float32 or float64 CPU tensors)."""
+        return self._fused_applies(list(params))
+
     @staticmethod
     def _fused_applies(params: list[Tensor]) -> bool:
         return (hasattr(torch, "_fused_adam_") and len({(p.device, p.dtype) for p in params}) == 1

@@ -8,31 +8,35 @@ for :class:`~common.models.BayesianMLP` ``in -> H -> C`` is, for a minibatch ``x
     L, grads  = fused_head.loss_and_gradients(mu, sqrt(var), ...) the sampled hidden layer, output layer and loss
     objective = (n / B) L + D
 
-and its gradient: the head returns ``dL/dmu, dL/dvar`` and the output layer's gradients, the hidden layer's
-weight gradients are two GEMMs (``dmu^T x``, ``dvar^T x^2``) and two column sums, and
-``fused_meanfield.backward`` turns the gradients w.r.t. the variances plus the divergence's own into the
-gradients w.r.t. the locs and raw scales.  Through autograd the same step is five Functions, about twenty
-graph nodes and the Python around them: about 0.9 ms of a 9.4 ms step for 784-200-10 with batch 256 and ten
-samples on one core (``docs/bench_core.md``).  Here the step is the calls above, in the order autograd makes
-them, on the same tensors: the objective and every gradient are bit-identical to the autograd path's
-(``tests/test_explicit_step.py``), and so is a whole :func:`~common.local_gvi.local_gvi` run.
+then its gradient and Adam's update: the head returns ``dL/dmu, dL/dvar`` and the output layer's gradients, the
+hidden layer's weight gradients are two GEMMs (``dmu^T x``, ``dvar^T x^2``) and two column sums, and
+``fused_meanfield.backward_adam`` adds the divergence's gradient, turns the gradients w.r.t. the variances into
+gradients w.r.t. the raw scales and applies Adam to every parameter in the same pass (torch's fused Adam
+arithmetic, operation for operation).  Through autograd and ``Adam.step`` the same step is five autograd
+Functions, about twenty graph nodes, the Python around them and three more passes over the 2 x 159,010
+parameters of 784-200-10 (``docs/bench_core.md`` has the times).  Here it is the calls above, in the order
+autograd makes them, on the same tensors: the objective, the parameters and Adam's state are bit-identical to
+the autograd path's (``tests/test_explicit_step.py``, ``tests/test_fused_update.py``), and so is a whole
+:func:`~common.local_gvi.local_gvi` run.
 
 It applies where that autograd path would run the fused kernels for every piece: a :class:`BayesianMLP` with
 one hidden layer and fused sampling on, a loss the head computes (NLL or GCE, optionally weighted, no
 reference), a moment-form divergence (:class:`~common.local_gvi.MeanFieldMomentDivergence`), float32 CPU
-parameters and the kernels built.  ``PGVI_EXPLICIT_STEP=0`` turns it off (the autograd path then runs, for
-comparisons).  Deeper networks keep the autograd path (its middle layers' sampler is an autograd Function).
+parameters, the kernels built, and :class:`~common.adam.Adam` over exactly ``q``'s parameters.
+``PGVI_EXPLICIT_STEP=0`` turns it off (the autograd path then runs, for comparisons).  Deeper networks keep the
+autograd path (its middle layers' sampler is an autograd Function).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from common import fused_head, fused_meanfield, fused_sampling
+from common.adam import Adam
 from common.errors import DivergenceUndefinedError
 from common.fused_meanfield import KINDS
 
@@ -46,10 +50,12 @@ def disabled_by_environment() -> bool:
 
 class OneHiddenLayerStep:
     """The step for fixed data ``x`` (``(n, in)`` float32), labels ``y`` (``(n,)``), a mean-field ``q`` (its
-    parameters are read at every call and their ``.grad`` set) and a moment-form divergence ``fd`` to the
-    cavity.  Build it with :meth:`create`, which returns ``None`` where it does not apply."""
+    parameters are read and updated in place at every call, with the optimiser's state) and a moment-form
+    divergence ``fd`` to the cavity.  Build it with :meth:`create`, which returns ``None`` where it does not
+    apply."""
 
-    def __init__(self, model, loss, q, fd, x: Tensor, y: Tensor, n_samples: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, loss, q, fd, x: Tensor, y: Tensor, n_samples: int,  # type: ignore[no-untyped-def]
+                 optimiser: Adam) -> None:
         spec = fused_head.loss_spec(loss)
         assert spec is not None
         self.delta, self.weight = spec
@@ -64,11 +70,13 @@ class OneHiddenLayerStep:
         self.n = int(x.shape[0])
         self.n_samples = int(n_samples)
         self.dtype = self.locs[0].dtype
+        self.optimiser = optimiser
 
     @classmethod
-    def create(cls, model, loss, q, fd, x: Tensor, y: Tensor | None, n_samples: int  # type: ignore[no-untyped-def]
-               ) -> OneHiddenLayerStep | None:
-        """The step, or ``None`` where it does not apply (see the module docstring)."""
+    def create(cls, model, loss, q, fd, x: Tensor, y: Tensor | None, n_samples: int,  # type: ignore[no-untyped-def]
+               optimiser: Adam) -> OneHiddenLayerStep | None:
+        """The step, or ``None`` where it does not apply (see the module docstring); ``optimiser`` is the
+        :class:`~common.adam.Adam` over ``q``'s locs and raw scales that the step advances."""
         from common.models import BayesianMLP
         from common.variational import MeanFieldVariational
 
@@ -82,14 +90,20 @@ class OneHiddenLayerStep:
         if list(q.names) != list(model.param_shapes) or not all(
                 fused_head.applies_to(t) and fused_meanfield.applies_to(t) for t in (*q.locs, *q.raw_scales)):
             return None
+        params = [*q.locs, *q.raw_scales]
+        if not (isinstance(optimiser, Adam) and optimiser.fused_applies(params)
+                and {id(p) for ps, _ in optimiser.groups for p in ps} == {id(p) for p in params}):
+            return None
         if not (x.dtype == q.locs[0].dtype and x.dim() == 2 and x.shape[1] == model.in_features
                 and y is not None and y.shape == (x.shape[0],) and not torch.is_floating_point(y)):
             return None
-        return cls(model, loss, q, fd, x, y, n_samples)
+        return cls(model, loss, q, fd, x, y, n_samples, optimiser)
 
-    def __call__(self, idx: Tensor | slice, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """``(E_q[loss on the minibatch] n / B, D(q || cavity))`` as float32 scalars, the values the autograd
-        path gives; sets ``.grad`` of every parameter of ``q`` to the objective's gradient.
+    def __call__(self, idx: Tensor | slice, generator: torch.Generator | None,
+                 check: Callable[[Tensor, Tensor], object] | None = None) -> tuple[Tensor, Tensor]:
+        """One step on the minibatch ``idx``: ``(E_q[loss on the minibatch] n / B, D(q || cavity))`` as float32
+        scalars, the values the autograd path gives, and the optimiser's update of ``q`` with the objective's
+        gradient.  ``check(expected, divergence)`` runs before the update (it raises to refuse the step).
 
         Raises:
             DivergenceUndefinedError: an Alpha-Renyi divergence is undefined at ``q`` (nothing is drawn
@@ -121,19 +135,18 @@ class OneHiddenLayerStep:
         scale = head_value.new_tensor(self.n / b)
         expected = head_value * scale
         divergence = torch.tensor(self.c * total, dtype=self.dtype)
+        if check is not None:
+            check(expected, divergence)
         d_mu, d_var, d_w1, d_b1, d_vw1, d_vb1 = (g.mul_(scale) for g in grads)
         g_w0 = d_mu.t().mm(xb)  # the hidden layer's weight gradients, as addmm's backward forms them
         g_vw0 = d_var.t().mm(x2)
         g_b0 = d_mu.sum(0)
         g_vb0 = d_var.sum(0)
-        g_locs, g_raws = fused_meanfield.backward(state, [g_vw0, g_vb0, d_vw1, d_vb1], self.c, self.kind,
-                                                  self.alpha)
-        for g, g_loss in zip(g_locs, (g_w0, g_b0, d_w1, d_b1)):
-            g.add_(g_loss)
-        for p, g in zip(self.locs, g_locs):
-            p.grad = g
-        for p, g in zip(self.raws, g_raws):
-            p.grad = g
+        # the divergence's gradient, the loss's and Adam in one pass over the parameters
+        fused_meanfield.backward_adam(state, [p.detach() for p in self.raws], [g_vw0, g_vb0, d_vw1, d_vb1],
+                                      [g_w0, g_b0, d_w1, d_b1], self.c, self.kind, self.alpha,
+                                      self.optimiser.constants(), self.optimiser.advance(self.locs),
+                                      self.optimiser.advance(self.raws))
         return expected, divergence
 
 

@@ -33,6 +33,11 @@ KINDS = {"kl": 0, "reverse_kl": 1, "alpha_renyi": 2}
 BLOCK = 4096  # elements per partial sum and per thread-chunk boundary (a multiple of every vector width)
 
 _C_SOURCE = r"""
+/* No contraction of a * b + c into one rounding anywhere below (fmaf where one is meant): the fused update's
+   arithmetic must be the backward's followed by torch's Adam operation for operation, which a compiler's
+   contraction choices would otherwise decide. */
+#pragma GCC optimize ("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
 #include <stdlib.h>
 #define BLOCK 4096
 /* var[i] = (softplus(raw[i]) + min_scale)^2 and chain[i] = d var[i] / d raw[i] for i in [lo, hi) (lo a multiple of BLOCK); partial[b] = sum of the
@@ -120,6 +125,26 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
     return nbad;
 }
 
+/* g_div dD/dm and (gvar + g_div dD/dv) chain at one coordinate (gvar: the loss's gradient w.r.t. v, 0 if none) */
+static inline void mf_grads(float m, float v, float c, float mp, float l, float gvar, float g_div, int kind,
+                            float c1, float inv_alpha, float *g_m, float *g_r) {
+    float d = m - mp, dm, dv;
+    if (kind == 0) {
+        dm = 2.0f * l * d;
+        dv = l - 1.0f / v;
+    } else if (kind == 1) {
+        float iv = 1.0f / v;
+        dm = 2.0f * d * iv;
+        dv = (1.0f - iv / l - d * d * iv) * iv;
+    } else {
+        float u = l * v - 1.0f, inv1a = 1.0f / (1.0f + c1 * u), t = l * d * inv1a;
+        dm = 2.0f * t;
+        dv = -c1 * t * t + l * (inv1a - 1.0f / (u + 1.0f)) * inv_alpha;
+    }
+    *g_m = g_div * dm;
+    *g_r = (gvar + g_div * dv) * c;
+}
+
 /* gloc[i] = g_div dD/dm, graw[i] = (gvar[i] + g_div dD/dv) chain[i] for i in [lo, hi), with var and chain from
    pgvi_mf_forward; gvar may be NULL (no loss gradient w.r.t. v) */
 void pgvi_mf_backward(const float *restrict loc, const float *restrict var, const float *restrict chain,
@@ -127,23 +152,51 @@ void pgvi_mf_backward(const float *restrict loc, const float *restrict var, cons
                       int64_t lo, int64_t hi, int kind, float alpha, float *restrict gloc, float *restrict graw) {
     float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
     #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) {
-        float v = var[i], l = lp[i], d = loc[i] - mp[i], dm, dv;
-        if (kind == 0) {
-            dm = 2.0f * l * d;
-            dv = l - 1.0f / v;
-        } else if (kind == 1) {
-            float iv = 1.0f / v;
-            dm = 2.0f * d * iv;
-            dv = (1.0f - iv / l - d * d * iv) * iv;
-        } else {
-            float u = l * v - 1.0f, inv1a = 1.0f / (1.0f + c1 * u), t = l * d * inv1a;
-            dm = 2.0f * t;
-            dv = -c1 * t * t + l * (inv1a - 1.0f / (u + 1.0f)) * inv_alpha;
-        }
-        float gv = (gvar ? gvar[i] : 0.0f) + g_div * dv;
-        gloc[i] = g_div * dm;
-        graw[i] = gv * chain[i];
+    for (int64_t i = lo; i < hi; i++)
+        mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, gloc + i,
+                 graw + i);
+}
+
+/* One Adam update of p[i] with gradient g, in the arithmetic of torch's fused CPU kernel (_fused_adam_, float32,
+   no weight decay, no AMSGrad), which is bit-identical to it (tests/test_fused_update.py): its vector loop over
+   a tensor's first n - n % 8 elements forms the second moment as fma(c2 g, g, beta2 v), its scalar tail over the
+   last n % 8 as fma(v, beta2, (c2 g) g).  h: lerp weight 1 - beta1, beta2, c2 = 1 - beta2, eps, then the
+   tensor's -lr / (1 - beta1^t) and sqrt(1 - beta2^t). */
+static inline void adam_update(float *restrict p, float *restrict m, float *restrict v, int64_t i, float g,
+                               const float *restrict h, float nss, float bc2s, int tail) {
+    float mi = fmaf(h[0], g - m[i], m[i]);
+    float vi = tail ? fmaf(v[i], h[1], (h[2] * g) * g) : fmaf(h[2] * g, g, v[i] * h[1]);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] + (nss * mi) / (sqrtf(vi) / bc2s + h[3]);
+}
+
+/* pgvi_mf_backward followed by loc's gradient + gloss (the loss's gradient w.r.t. loc; NULL: none) and Adam on
+   loc and raw, for i in [lo, hi) of a tensor of n elements; a[0..3] = loc's -lr/bc1, sqrt(bc2), raw's. */
+void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chain, const float *restrict mp,
+                           const float *restrict lp, const float *restrict gvar, const float *restrict gloss,
+                           float g_div, int64_t lo, int64_t hi, int64_t n, int kind, float alpha,
+                           float *restrict loc, float *restrict raw, float *restrict ml, float *restrict vl,
+                           float *restrict mr, float *restrict vr, const float *restrict h,
+                           const float *restrict a) {
+    float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
+    int64_t n8 = n - n % 8, mid = hi < n8 ? hi : n8;
+    #pragma omp simd
+    for (int64_t i = lo; i < mid; i++) {
+        float gm, gr;
+        mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, &gm,
+                 &gr);
+        if (gloss) gm = gm + gloss[i];
+        adam_update(loc, ml, vl, i, gm, h, a[0], a[1], 0);
+        adam_update(raw, mr, vr, i, gr, h, a[2], a[3], 0);
+    }
+    for (int64_t i = lo > n8 ? lo : n8; i < hi; i++) {
+        float gm, gr;
+        mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, &gm,
+                 &gr);
+        if (gloss) gm = gm + gloss[i];
+        adam_update(loc, ml, vl, i, gm, h, a[0], a[1], 1);
+        adam_update(raw, mr, vr, i, gr, h, a[2], a[3], 1);
     }
 }
 
@@ -201,6 +254,25 @@ void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *
         }
     }
 }
+
+/* p: var, chain, mp, lp, gvar (0: none), gloss (0: none), loc, raw, m_loc, v_loc, m_raw, v_raw (K = 12);
+   a[4 i .. 4 i + 3]: tensor i's Adam step terms (see pgvi_mf_backward_adam); h: the shared Adam constants */
+void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
+                                const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
+                                float alpha, const float *restrict h, const float *restrict a) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < nt; t++) {
+        int64_t b0 = pgvi_split(g0, g1, 1, t, nt), b1 = pgvi_split(g0, g1, 1, t + 1, nt);
+        int64_t e0, e1;
+        for (int64_t i = 0; i < T; i++) {
+            if (!tensor_part(n, off, i, b0, b1, &e0, &e1)) continue;
+            const int64_t *q = p + 12 * i;
+            pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL,
+                                  q[5] ? fp(q[5]) : NULL, g_div, e0, e1, n[i], kind, alpha, wp(q[6]), wp(q[7]),
+                                  wp(q[8]), wp(q[9]), wp(q[10]), wp(q[11]), h, a + 4 * i);
+        }
+    }
+}
 """
 
 _I64, _F32, _F64, _INT, _VP = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int, ctypes.c_void_p
@@ -229,6 +301,7 @@ _NATIVE = NativeLibrary(
         "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
         "pgvi_mf_forward_many": ([_I64, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP], _INT),
         "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32], None),
+        "pgvi_mf_backward_adam_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _VP, _VP], None),
     },
     _self_check,
 )
@@ -318,6 +391,40 @@ def backward(state: MomentPass, g_vars: list[Tensor | None], g_div: float, kind:
     if state.off[-1]:
         run_parallel(_NATIVE, bwd, int(state.off[-1]))
     return g_locs, g_raws
+
+
+def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | None], g_locs: list[Tensor | None],
+                  g_div: float, kind: int, alpha: float, adam: tuple[float, float, float, float],
+                  loc_terms: list[tuple[Tensor, Tensor, float, float]],
+                  raw_terms: list[tuple[Tensor, Tensor, float, float]]) -> None:
+    """:func:`backward` and one Adam step in one pass, in place: the gradient w.r.t. ``state.locs[i]`` (which
+    must be the parameters' own storage) is the divergence's plus ``g_locs[i]`` (the loss's; ``None``: none),
+    the gradient w.r.t. ``raws[i]`` is :func:`backward`'s, and each parameter, its ``exp_avg`` and
+    ``exp_avg_sq`` are updated as torch's fused Adam kernel would (``adam`` = :meth:`common.adam.Adam.constants`,
+    the terms from :meth:`common.adam.Adam.advance` for the locs and the raws).  The result is bit-identical to
+    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py)."""
+    lib = _NATIVE.get()
+    assert lib is not None
+    t_count = len(state.locs)
+    g_vars = [None if g is None else g.contiguous() for g in g_vars]
+    g_locs = [None if g is None else g.contiguous() for g in g_locs]
+    for i in range(t_count):
+        for t in (raws[i], loc_terms[i][0], loc_terms[i][1], raw_terms[i][0], raw_terms[i][1]):
+            if t.shape != state.locs[i].shape or not t.is_contiguous() or t.dtype != torch.float32:
+                raise ValueError("backward_adam: raws and Adam states must be contiguous float32 like the locs")
+    ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
+                     for t in (state.variances[i], state.chains[i], state.mean_ps[i], state.lam_ps[i], g_vars[i],
+                               g_locs[i], state.locs[i], raws[i], loc_terms[i][0], loc_terms[i][1],
+                               raw_terms[i][0], raw_terms[i][1])], dtype=np.int64)
+    consts = np.array(adam, dtype=np.float32)  # float(double), as torch's kernel narrows them
+    terms = np.array([(lt[2], lt[3], rt[2], rt[3]) for lt, rt in zip(loc_terms, raw_terms)], dtype=np.float32)
+
+    def upd(g0: int, g1: int, nt: int) -> None:
+        lib.pgvi_mf_backward_adam_many(t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data, g_div,
+                                       g0, g1, nt, kind, alpha, consts.ctypes.data, terms.ctypes.data)
+
+    if state.off[-1]:
+        run_parallel(_NATIVE, upd, int(state.off[-1]))
 
 
 class _VariancesAndDivergence(torch.autograd.Function):

@@ -576,8 +576,8 @@ def local_gvi(
     gen = torch.Generator().manual_seed(int(config.seed))
 
     # the one-hidden-layer BNN's step without autograd where it applies (bit-identical: common/explicit_step.py)
-    explicit = (OneHiddenLayerStep.create(model, loss, q, obj.fast_divergence, obj.x, obj.y, config.n_samples)
-                if obj.path == "mc_local_reparam" else None)
+    explicit = (OneHiddenLayerStep.create(model, loss, q, obj.fast_divergence, obj.x, obj.y, config.n_samples,
+                                          optimiser) if obj.path == "mc_local_reparam" else None)
     running_mode = config.objective_estimate == "running"
     # "running": no extra pass over the data; the initial state is not a candidate (its value is unknown)
     initial = float("nan") if running_mode else obj.evaluate(q)
@@ -594,10 +594,8 @@ def local_gvi(
             perm = torch.randperm(n, generator=gen)
             batches = [perm[s:s + bsz] for s in range(0, n, bsz)]
         for step, idx in enumerate(batches):
-            if explicit is not None:
-                expected, div = explicit(idx, gen)  # sets the parameters' .grad
-                running.append(_finite_float(expected, div, f"epoch {epoch}, step {step}"))
-                optimiser.step()
+            if explicit is not None:  # the whole step, the optimiser's update included
+                explicit(idx, gen, lambda e, d: running.append(_finite_float(e, d, f"epoch {epoch}, step {step}")))
                 continue
             optimiser.zero_grad()
             moments = obj.moments(q)

@@ -10,6 +10,7 @@ import torch
 from common import explicit_step, fused_head, fused_meanfield
 from common.divergences import make_divergence
 from common.errors import DivergenceUndefinedError, NonFiniteError
+from common.adam import Adam
 from common.explicit_step import OneHiddenLayerStep
 from common.families import MeanFieldGaussian
 from common.local_gvi import LocalGVIConfig, MeanFieldMomentDivergence, local_gvi
@@ -57,9 +58,9 @@ def _run_both(monkeypatch: pytest.MonkeyPatch, args: tuple):  # type: ignore[no-
     calls = []
     original = OneHiddenLayerStep.__call__
 
-    def counting(self, idx, generator):  # type: ignore[no-untyped-def]
+    def counting(self, idx, generator, check=None):  # type: ignore[no-untyped-def]
         calls.append(1)
-        return original(self, idx, generator)
+        return original(self, idx, generator, check)
 
     monkeypatch.setattr(OneHiddenLayerStep, "__call__", counting)
     monkeypatch.delenv(explicit_step.ENV_SWITCH, raising=False)
@@ -99,60 +100,84 @@ def test_full_batch_and_early_stopping_with_restore_are_bit_identical(monkeypatc
         assert torch.equal(explicit.posterior.variance()[k], autograd.posterior.variance()[k])
 
 
+def _adam(q: MeanFieldVariational) -> Adam:
+    return Adam([(q.loc_parameters(), 1e-2), (q.scale_parameters(), 1e-2)])
+
+
 def test_applies_only_where_the_autograd_path_runs_the_kernels_for_every_piece(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model, x, y, cavity, start = _problem()
     q = MeanFieldVariational(start, dtype=torch.float32)
     fd = MeanFieldMomentDivergence.create(make_divergence("kl"), cavity)
     nll = make_loss("nll")
-    assert OneHiddenLayerStep.create(model, nll, q, fd, x, y, 4) is not None
+    assert OneHiddenLayerStep.create(model, nll, q, fd, x, y, 4, _adam(q)) is not None
     deep = make_model("bnn", in_features=12, hidden=[8, 8], num_classes=4)
     q_deep = MeanFieldVariational(MeanFieldGaussian.isotropic(deep.param_shapes, 0.0, 1.0), dtype=torch.float32)
     unfused = make_model("bnn", in_features=12, hidden=[20], num_classes=4, fused_sampling=False)
     q64 = MeanFieldVariational(start, dtype=torch.float64)
     declined = {
-        "two hidden layers": (deep, nll, q_deep, fd, x, y),
-        "fused sampling off": (unfused, nll, q, fd, x, y),
-        "a loss the head does not compute": (model, make_loss("beta", beta=1.5), q, fd, x, y),
-        "no moment-form divergence": (model, nll, q, None, x, y),
-        "float64 parameters": (model, nll, q64, fd, x.double(), y),
-        "float labels": (model, nll, q, fd, x, y.float()),
-        "x of the wrong width": (model, nll, q, fd, x[:, :5], y),
+        "two hidden layers": (deep, nll, q_deep, fd, x, y, _adam(q_deep)),
+        "fused sampling off": (unfused, nll, q, fd, x, y, _adam(q)),
+        "a loss the head does not compute": (model, make_loss("beta", beta=1.5), q, fd, x, y, _adam(q)),
+        "no moment-form divergence": (model, nll, q, None, x, y, _adam(q)),
+        "float64 parameters": (model, nll, q64, fd, x.double(), y, _adam(q64)),
+        "float labels": (model, nll, q, fd, x, y.float(), _adam(q)),
+        "x of the wrong width": (model, nll, q, fd, x[:, :5], y, _adam(q)),
+        "an optimiser over other parameters": (model, nll, q, fd, x, y, Adam([(q.loc_parameters(), 1e-2)])),
+        "not our Adam": (model, nll, q, fd, x, y, torch.optim.SGD(q.parameters(), lr=0.1)),
     }
     for why, case in declined.items():
-        assert OneHiddenLayerStep.create(*case, 4) is None, why
+        assert OneHiddenLayerStep.create(*case[:6], 4, case[6]) is None, why
     monkeypatch.setenv(explicit_step.ENV_SWITCH, "0")
-    assert OneHiddenLayerStep.create(model, nll, q, fd, x, y, 4) is None
+    assert OneHiddenLayerStep.create(model, nll, q, fd, x, y, 4, _adam(q)) is None
 
 
-def test_alpha_renyi_undefined_region_raises_the_typed_error_before_any_draw() -> None:
+def test_alpha_renyi_undefined_region_raises_the_typed_error_before_any_draw_or_update() -> None:
     model, x, y, _, _ = _problem()
     cavity = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 1.0, dtype=torch.float32)
     wide = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 4.0, dtype=torch.float32)  # needs < 1.667
     q = MeanFieldVariational(wide, dtype=torch.float32)
     fd = MeanFieldMomentDivergence.create(make_divergence("alpha_renyi", alpha=2.5), cavity)
-    step = OneHiddenLayerStep.create(model, make_loss("nll"), q, fd, x, y, 4)
+    step = OneHiddenLayerStep.create(model, make_loss("nll"), q, fd, x, y, 4, _adam(q))
     assert step is not None
     gen = torch.Generator().manual_seed(0)
-    state = gen.get_state()
+    state, before = gen.get_state(), [p.detach().clone() for p in q.parameters()]
     with pytest.raises(DivergenceUndefinedError, match="sigma_q\\^2 < 1.667"):
         step(torch.arange(64), gen)
     assert torch.equal(gen.get_state(), state)
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, q.parameters()))
     cfg = LocalGVIConfig(epochs=1, batch_size=64, n_samples=2, local_reparam=True, objective_estimate="running",
                          patience=None)
     with pytest.raises(DivergenceUndefinedError, match="sigma_q\\^2 < 1.667"):
         local_gvi(model, make_loss("nll"), make_divergence("alpha_renyi", alpha=2.5), cavity, x, y, wide, cfg)
 
 
-def test_non_finite_objective_is_a_typed_error_not_a_step() -> None:
+def test_a_refused_step_leaves_the_parameters_and_the_optimiser_alone() -> None:
     model, x, y, cavity, start = _problem()
     x = x.clone()
-    x[7, 3] = float("inf")  # local_gvi refuses it up front; the step itself propagates it to the objective
+    x[7, 3] = float("inf")  # local_gvi refuses it up front; the step itself carries it into the objective
     q = MeanFieldVariational(start, dtype=torch.float32)
     fd = MeanFieldMomentDivergence.create(make_divergence("kl"), cavity)
-    step = OneHiddenLayerStep.create(model, make_loss("nll"), q, fd, x, y, 2)
+    opt = _adam(q)
+    step = OneHiddenLayerStep.create(model, make_loss("nll"), q, fd, x, y, 2, opt)
     assert step is not None
-    expected, _ = step(torch.arange(16), torch.Generator().manual_seed(0))
-    assert not torch.isfinite(expected)
+    before = [p.detach().clone() for p in q.parameters()]
+    seen = []
+
+    def refuse(expected, divergence):  # type: ignore[no-untyped-def]
+        seen.append((float(expected), float(divergence)))
+        raise NonFiniteError("refused")
+
+    with pytest.raises(NonFiniteError, match="refused"):
+        step(torch.arange(16), torch.Generator().manual_seed(0), refuse)
+    assert seen and not torch.isfinite(torch.tensor(seen[0][0]))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, q.parameters()))
+    assert all(float(s) == 0.0 for s in opt.steps.values())
+    # without the refusal the step goes through and moves every parameter
+    x[7, 3] = 0.0
+    step(torch.arange(16), torch.Generator().manual_seed(0))
+    assert all(not torch.equal(a, p.detach()) for a, p in zip(before, q.parameters()))
+    assert all(float(s) == 1.0 for s in opt.steps.values())
     cfg = LocalGVIConfig(epochs=1, batch_size=64, n_samples=2, local_reparam=True, patience=None)
+    x[7, 3] = float("inf")
     with pytest.raises(NonFiniteError):
         local_gvi(model, make_loss("nll"), make_divergence("kl"), cavity, x, y, start, cfg)

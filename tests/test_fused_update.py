@@ -1,0 +1,90 @@
+"""common.fused_meanfield.backward_adam: the mean-field backward, the loss's gradient and torch's fused Adam in
+one pass give bit-identical parameters and Adam states to the three done apart (fused_meanfield.backward, a
+torch add, common.adam.Adam.step, i.e. torch._fused_adam_), for every divergence, for tensors whose sizes
+leave every tail length of torch's 8-wide vector loop, over several steps, at one and two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import fused_meanfield as fm
+from common.adam import Adam
+
+pytestmark = pytest.mark.skipif(not fm.available(), reason="mean-field kernels could not be built here")
+
+# sizes: whole vectors, every tail length 1..7 of the 8-wide loop, and more than one 4096-element block
+SHAPES = [(3, 8), (9,), (2, 5), (11,), (4, 3), (13,), (7, 2), (15,), (5000,), (3, 1367)]
+KINDS = [("kl", 1.0), ("reverse_kl", 0.0), ("alpha_renyi", 2.5), ("alpha_renyi", 0.5)]
+
+
+def _tensors(seed: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    locs = [torch.nn.Parameter(0.3 * torch.randn(s, generator=g)) for s in SHAPES]
+    raws = [torch.nn.Parameter(-2.0 + 0.5 * torch.randn(s, generator=g)) for s in SHAPES]
+    mps = [0.2 * torch.randn(s, generator=g) for s in SHAPES]
+    lps = [0.8 + torch.rand(s, generator=g) for s in SHAPES]
+    return locs, raws, mps, lps
+
+
+def _loss_grads(seed: int, step: int, with_none: bool):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    # gradients over six orders of magnitude, some tensors without a loss gradient
+    scale = lambda s: 10.0 ** torch.randint(-3, 3, s, generator=g).float()  # noqa: E731
+    g_vars = [torch.randn(s, generator=g) * scale(s) for s in SHAPES]
+    g_locs = [torch.randn(s, generator=g) * scale(s) for s in SHAPES]
+    if with_none:
+        g_vars[1] = None
+        g_locs[2] = None
+    return g_vars, g_locs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind, alpha", KINDS)
+def test_fused_update_equals_backward_then_torch_adam(kind: str, alpha: float, threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a_locs, a_raws, mps, lps = _tensors(0)
+        b_locs = [torch.nn.Parameter(t.detach().clone()) for t in a_locs]
+        b_raws = [torch.nn.Parameter(t.detach().clone()) for t in a_raws]
+        opt_a = Adam([(a_locs, 3e-2), (a_raws, 1e-2)])
+        opt_b = Adam([(b_locs, 3e-2), (b_raws, 1e-2)])
+        code = fm.KINDS[kind]
+        for step in range(4):
+            g_vars, g_locs = _loss_grads(0, step, with_none=step % 2 == 1)
+            # apart: the backward, the loss gradient added by torch, torch's fused Adam
+            st, total_a, _ = fm.forward([p.detach() for p in a_locs], [p.detach() for p in a_raws], mps, lps, code,
+                                        alpha, 1e-6)
+            gl, gr = fm.backward(st, g_vars, 0.37, code, alpha)
+            for p, g, extra in zip(a_locs, gl, g_locs):
+                p.grad = g if extra is None else g.add_(extra)
+            for p, g in zip(a_raws, gr):
+                p.grad = g
+            opt_a.step()
+            # fused
+            sb, total_b, _ = fm.forward([p.detach() for p in b_locs], [p.detach() for p in b_raws], mps, lps, code,
+                                        alpha, 1e-6)
+            assert total_a == total_b
+            fm.backward_adam(sb, [p.detach() for p in b_raws], g_vars, g_locs, 0.37, code, alpha,
+                             opt_b.constants(), opt_b.advance(b_locs), opt_b.advance(b_raws))
+            for pa, pb in zip([*a_locs, *a_raws], [*b_locs, *b_raws]):
+                assert torch.equal(pa.detach(), pb.detach()), (kind, step, pa.shape)
+                assert torch.equal(opt_a.exp_avg[id(pa)], opt_b.exp_avg[id(pb)])
+                assert torch.equal(opt_a.exp_avg_sq[id(pa)], opt_b.exp_avg_sq[id(pb)])
+                assert torch.equal(opt_a.steps[id(pa)], opt_b.steps[id(pb)])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_advance_refuses_a_parameter_outside_the_optimiser_and_bad_states() -> None:
+    locs, raws, mps, lps = _tensors(1)
+    opt = Adam([(locs, 1e-2)])
+    with pytest.raises(ValueError, match="not in any group"):
+        opt.advance(raws)
+    st, _, _ = fm.forward([p.detach() for p in locs], [p.detach() for p in raws], mps, lps, 0, 1.0, 1e-6)
+    terms = opt.advance(locs)
+    wrong = [(torch.zeros(3), t[1], t[2], t[3]) for t in terms]
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fm.backward_adam(st, [p.detach() for p in raws], [None] * len(locs), [None] * len(locs), 1.0, 0, 1.0,
+                         opt.constants(), terms, wrong)
