@@ -71,6 +71,12 @@ class OneHiddenLayerStep:
         self.n_samples = int(n_samples)
         self.dtype = self.locs[0].dtype
         self.optimiser = optimiser
+        # fixed per run: the parameters' block numbering, buffers for the variances and d var / d raw, and the
+        # operands the fused update writes through raw pointers (checked once here)
+        self.numbering = fused_meanfield.blocks(self.locs)
+        self.buffers = ([torch.empty_like(p) for p in self.locs], [torch.empty_like(p) for p in self.locs])
+        terms = optimiser.adam_states(self.locs), optimiser.adam_states(self.raws)
+        fused_meanfield.check_adam_operands(self.locs, self.raws, *terms)
 
     @classmethod
     def create(cls, model, loss, q, fd, x: Tensor, y: Tensor | None, n_samples: int,  # type: ignore[no-untyped-def]
@@ -116,7 +122,8 @@ class OneHiddenLayerStep:
         b = int(xb.shape[0])
         locs = [p.detach() for p in self.locs]
         state, total, bad = fused_meanfield.forward(locs, [p.detach() for p in self.raws], self.mean_ps,
-                                                     self.lam_ps, self.kind, self.alpha, self.min_scale)
+                                                     self.lam_ps, self.kind, self.alpha, self.min_scale,
+                                                     self.numbering, self.buffers)
         for name, loc, nb in zip(self.names, locs, bad):
             if nb:
                 raise DivergenceUndefinedError.alpha_renyi(self.alpha, int(nb), loc.numel(), name)
@@ -143,10 +150,10 @@ class OneHiddenLayerStep:
         g_b0 = d_mu.sum(0)
         g_vb0 = d_var.sum(0)
         # the divergence's gradient, the loss's and Adam in one pass over the parameters
+        terms = self.optimiser.advance(self.locs + self.raws)
         fused_meanfield.backward_adam(state, [p.detach() for p in self.raws], [g_vw0, g_vb0, d_vw1, d_vb1],
                                       [g_w0, g_b0, d_w1, d_b1], self.c, self.kind, self.alpha,
-                                      self.optimiser.constants(), self.optimiser.advance(self.locs),
-                                      self.optimiser.advance(self.raws))
+                                      self.optimiser.constants(), terms[:4], terms[4:], validate=False)
         return expected, divergence
 
 

@@ -315,7 +315,7 @@ def applies_to(t: Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and available()
 
 
-def _blocks(tensors: list[Tensor]) -> tuple[np.ndarray, np.ndarray]:
+def blocks(tensors: list[Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """Element counts and the global block numbering's offsets (``off[i]`` = the first block of tensor ``i``)."""
     n = np.array([t.numel() for t in tensors], dtype=np.int64)
     off = np.zeros(len(tensors) + 1, dtype=np.int64)
@@ -338,16 +338,22 @@ class MomentPass:
 
 
 def forward(locs: list[Tensor], raws: list[Tensor], mean_ps: list[Tensor], lam_ps: list[Tensor], kind: int,
-            alpha: float, min_scale: float) -> tuple[MomentPass, float, np.ndarray]:
+            alpha: float, min_scale: float, numbering: tuple[np.ndarray, np.ndarray] | None = None,
+            out: tuple[list[Tensor], list[Tensor]] | None = None) -> tuple[MomentPass, float, np.ndarray]:
     """One C call over T tensors (contiguous float32, detached): ``(state, sum_i sum_j f_ij, undefined counts
     per tensor)``, the variances in ``state.variances``.  No autograd: :class:`_VariancesAndDivergence` and
-    :mod:`common.explicit_step` both run it."""
+    :mod:`common.explicit_step` both run it.  A caller that repeats the call on tensors of fixed shapes may pass
+    their :func:`blocks` and reuse buffers for the variances and the chains (``out``: two lists of contiguous
+    float32 tensors shaped like ``locs``)."""
     lib = _NATIVE.get()
     assert lib is not None
     t_count = len(locs)
-    n, off = _blocks(locs)
-    variances = [torch.empty_like(loc) for loc in locs]
-    chains = [torch.empty_like(loc) for loc in locs]  # d var / d raw, for the backward
+    n, off = blocks(locs) if numbering is None else numbering
+    if out is None:
+        variances = [torch.empty_like(loc) for loc in locs]
+        chains = [torch.empty_like(loc) for loc in locs]  # d var / d raw, for the backward
+    else:
+        variances, chains = out
     ptrs = np.array([t.data_ptr() for i in range(t_count)
                      for t in (locs[i], raws[i], mean_ps[i], lam_ps[i], variances[i], chains[i])], dtype=np.int64)
     partial = np.zeros(int(off[-1]), dtype=np.float64)
@@ -393,25 +399,34 @@ def backward(state: MomentPass, g_vars: list[Tensor | None], g_div: float, kind:
     return g_locs, g_raws
 
 
+def check_adam_operands(locs: list[Tensor], raws: list[Tensor], loc_terms: list[tuple[Tensor, Tensor, float, float]],
+                        raw_terms: list[tuple[Tensor, Tensor, float, float]]) -> None:
+    """Raise ``ValueError`` unless every raw scale and Adam state is a contiguous float32 tensor shaped like
+    its loc (what :func:`backward_adam` writes through raw pointers)."""
+    for i, loc in enumerate(locs):
+        for t in (raws[i], loc_terms[i][0], loc_terms[i][1], raw_terms[i][0], raw_terms[i][1]):
+            if t.shape != loc.shape or not t.is_contiguous() or t.dtype != torch.float32:
+                raise ValueError("backward_adam: raws and Adam states must be contiguous float32 like the locs")
+
+
 def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | None], g_locs: list[Tensor | None],
                   g_div: float, kind: int, alpha: float, adam: tuple[float, float, float, float],
                   loc_terms: list[tuple[Tensor, Tensor, float, float]],
-                  raw_terms: list[tuple[Tensor, Tensor, float, float]]) -> None:
+                  raw_terms: list[tuple[Tensor, Tensor, float, float]], validate: bool = True) -> None:
     """:func:`backward` and one Adam step in one pass, in place: the gradient w.r.t. ``state.locs[i]`` (which
     must be the parameters' own storage) is the divergence's plus ``g_locs[i]`` (the loss's; ``None``: none),
     the gradient w.r.t. ``raws[i]`` is :func:`backward`'s, and each parameter, its ``exp_avg`` and
     ``exp_avg_sq`` are updated as torch's fused Adam kernel would (``adam`` = :meth:`common.adam.Adam.constants`,
     the terms from :meth:`common.adam.Adam.advance` for the locs and the raws).  The result is bit-identical to
-    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py)."""
+    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).
+    ``validate=False`` skips :func:`check_adam_operands` for a caller that ran it once on the same tensors."""
     lib = _NATIVE.get()
     assert lib is not None
     t_count = len(state.locs)
     g_vars = [None if g is None else g.contiguous() for g in g_vars]
     g_locs = [None if g is None else g.contiguous() for g in g_locs]
-    for i in range(t_count):
-        for t in (raws[i], loc_terms[i][0], loc_terms[i][1], raw_terms[i][0], raw_terms[i][1]):
-            if t.shape != state.locs[i].shape or not t.is_contiguous() or t.dtype != torch.float32:
-                raise ValueError("backward_adam: raws and Adam states must be contiguous float32 like the locs")
+    if validate:
+        check_adam_operands(state.locs, raws, loc_terms, raw_terms)
     ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
                      for t in (state.variances[i], state.chains[i], state.mean_ps[i], state.lam_ps[i], g_vars[i],
                                g_locs[i], state.locs[i], raws[i], loc_terms[i][0], loc_terms[i][1],
