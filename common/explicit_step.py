@@ -71,6 +71,7 @@ class OneHiddenLayerStep:
         self.n_samples = int(n_samples)
         self.dtype = self.locs[0].dtype
         self.optimiser = optimiser
+        self.adam_width = fused_meanfield.adam_vector_width(optimiser.beta1, optimiser.beta2, optimiser.eps)
         # fixed per run: the parameters' block numbering, buffers for the variances and d var / d raw, and the
         # operands the fused update writes through raw pointers (checked once here)
         self.numbering = fused_meanfield.blocks(self.locs)
@@ -99,6 +100,9 @@ class OneHiddenLayerStep:
         params = [*q.locs, *q.raw_scales]
         if not (isinstance(optimiser, Adam) and optimiser.fused_applies(params)
                 and {id(p) for ps, _ in optimiser.groups for p in ps} == {id(p) for p in params}):
+            return None
+        # the fused update reproduces this torch build's Adam bit for bit (checked once), or the autograd path runs
+        if fused_meanfield.adam_vector_width(optimiser.beta1, optimiser.beta2, optimiser.eps) is None:
             return None
         if not (x.dtype == q.locs[0].dtype and x.dim() == 2 and x.shape[1] == model.in_features
                 and y is not None and y.shape == (x.shape[0],) and not torch.is_floating_point(y)):
@@ -153,7 +157,8 @@ class OneHiddenLayerStep:
         terms = self.optimiser.advance(self.locs + self.raws)
         fused_meanfield.backward_adam(state, [p.detach() for p in self.raws], [g_vw0, g_vb0, d_vw1, d_vb1],
                                       [g_w0, g_b0, d_w1, d_b1], self.c, self.kind, self.alpha,
-                                      self.optimiser.constants(), terms[:4], terms[4:], validate=False)
+                                      self.optimiser.constants(), terms[:4], terms[4:], self.adam_width,
+                                      validate=False)
         return expected, divergence
 
 

@@ -20,6 +20,7 @@ typed error as the torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,13 +159,16 @@ void pgvi_mf_backward(const float *restrict loc, const float *restrict var, cons
 }
 
 /* One Adam update of p[i] with gradient g, in the arithmetic of torch's fused CPU kernel (_fused_adam_, float32,
-   no weight decay, no AMSGrad), which is bit-identical to it (tests/test_fused_update.py): its vector loop over
-   a tensor's first n - n % 8 elements forms the second moment as fma(c2 g, g, beta2 v), its scalar tail over the
-   last n % 8 as fma(v, beta2, (c2 g) g).  h: lerp weight 1 - beta1, beta2, c2 = 1 - beta2, eps, then the
-   tensor's -lr / (1 - beta1^t) and sqrt(1 - beta2^t). */
+   no weight decay, no AMSGrad) as this machine's torch build does it: its vector loop over a tensor's first
+   n - n % W elements (W its vector width: 8 floats for AVX2, 16 for AVX-512) forms the second moment as
+   fma(c2 g, g, beta2 v), its scalar tail over the last n % W as fma(v, beta2, (c2 g) g); the first moment is
+   torch's lerp: m + w (g - m) for a weight w = 1 - beta1 < 0.5, else g - (g - m)(1 - w), each one fma.  Python
+   checks once, against torch._fused_adam_ itself, that these forms and W reproduce it bit for bit
+   (fused_meanfield.adam_vector_width) and keeps the autograd path where they do not.  h: w, beta2, c2 = 1 - beta2,
+   eps; nss = -lr / (1 - beta1^t), bc2s = sqrt(1 - beta2^t). */
 static inline void adam_update(float *restrict p, float *restrict m, float *restrict v, int64_t i, float g,
                                const float *restrict h, float nss, float bc2s, int tail) {
-    float mi = fmaf(h[0], g - m[i], m[i]);
+    float mi = h[0] < 0.5f ? fmaf(h[0], g - m[i], m[i]) : fmaf(h[0] - 1.0f, g - m[i], g);
     float vi = tail ? fmaf(v[i], h[1], (h[2] * g) * g) : fmaf(h[2] * g, g, v[i] * h[1]);
     m[i] = mi;
     v[i] = vi;
@@ -172,15 +176,17 @@ static inline void adam_update(float *restrict p, float *restrict m, float *rest
 }
 
 /* pgvi_mf_backward followed by loc's gradient + gloss (the loss's gradient w.r.t. loc; NULL: none) and Adam on
-   loc and raw, for i in [lo, hi) of a tensor of n elements; a[0..3] = loc's -lr/bc1, sqrt(bc2), raw's. */
+   loc and raw, for i in [lo, hi) of a tensor of n elements; a[0..3] = loc's -lr/bc1, sqrt(bc2), raw's; vw: the
+   vector width of torch's Adam loop (the last n % vw elements take its scalar tail's arithmetic).  vw = 0 runs
+   only Adam, with gradient gloss for both loc and raw (the self-check against torch). */
 void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chain, const float *restrict mp,
                            const float *restrict lp, const float *restrict gvar, const float *restrict gloss,
-                           float g_div, int64_t lo, int64_t hi, int64_t n, int kind, float alpha,
+                           float g_div, int64_t lo, int64_t hi, int64_t n, int64_t vw, int kind, float alpha,
                            float *restrict loc, float *restrict raw, float *restrict ml, float *restrict vl,
                            float *restrict mr, float *restrict vr, const float *restrict h,
                            const float *restrict a) {
     float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
-    int64_t n8 = n - n % 8, mid = hi < n8 ? hi : n8;
+    int64_t nv = n - n % vw, mid = hi < nv ? hi : nv;
     #pragma omp simd
     for (int64_t i = lo; i < mid; i++) {
         float gm, gr;
@@ -190,7 +196,7 @@ void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chai
         adam_update(loc, ml, vl, i, gm, h, a[0], a[1], 0);
         adam_update(raw, mr, vr, i, gr, h, a[2], a[3], 0);
     }
-    for (int64_t i = lo > n8 ? lo : n8; i < hi; i++) {
+    for (int64_t i = lo > nv ? lo : nv; i < hi; i++) {
         float gm, gr;
         mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, &gm,
                  &gr);
@@ -198,6 +204,14 @@ void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chai
         adam_update(loc, ml, vl, i, gm, h, a[0], a[1], 1);
         adam_update(raw, mr, vr, i, gr, h, a[2], a[3], 1);
     }
+}
+
+/* Adam alone on p (gradient g) for n elements with vector width vw: the arithmetic of adam_update, for the
+   one-time comparison with torch._fused_adam_ */
+void pgvi_adam_only(const float *restrict g, int64_t n, int64_t vw, float *restrict p, float *restrict m,
+                    float *restrict v, const float *restrict h, float nss, float bc2s) {
+    int64_t nv = n - n % vw;
+    for (int64_t i = 0; i < n; i++) adam_update(p, m, v, i, g[i], h, nss, bc2s, i >= nv);
 }
 
 /* The parallel drivers, over T tensors in one call (a step's weights and biases: one call instead of one per
@@ -259,7 +273,7 @@ void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *
    a[4 i .. 4 i + 3]: tensor i's Adam step terms (see pgvi_mf_backward_adam); h: the shared Adam constants */
 void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                                 const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
-                                float alpha, const float *restrict h, const float *restrict a) {
+                                float alpha, int64_t vw, const float *restrict h, const float *restrict a) {
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int t = 0; t < nt; t++) {
         int64_t b0 = pgvi_split(g0, g1, 1, t, nt), b1 = pgvi_split(g0, g1, 1, t + 1, nt);
@@ -268,8 +282,8 @@ void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int6
             if (!tensor_part(n, off, i, b0, b1, &e0, &e1)) continue;
             const int64_t *q = p + 12 * i;
             pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL,
-                                  q[5] ? fp(q[5]) : NULL, g_div, e0, e1, n[i], kind, alpha, wp(q[6]), wp(q[7]),
-                                  wp(q[8]), wp(q[9]), wp(q[10]), wp(q[11]), h, a + 4 * i);
+                                  q[5] ? fp(q[5]) : NULL, g_div, e0, e1, n[i], vw, kind, alpha, wp(q[6]),
+                                  wp(q[7]), wp(q[8]), wp(q[9]), wp(q[10]), wp(q[11]), h, a + 4 * i);
         }
     }
 }
@@ -301,7 +315,9 @@ _NATIVE = NativeLibrary(
         "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
         "pgvi_mf_forward_many": ([_I64, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP], _INT),
         "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32], None),
-        "pgvi_mf_backward_adam_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _VP, _VP], None),
+        "pgvi_mf_backward_adam_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _I64, _VP, _VP],
+                                       None),
+        "pgvi_adam_only": ([_VP, _I64, _I64, _VP, _VP, _VP, _VP, _F32, _F32], None),
     },
     _self_check,
 )
@@ -409,17 +425,65 @@ def check_adam_operands(locs: list[Tensor], raws: list[Tensor], loc_terms: list[
                 raise ValueError("backward_adam: raws and Adam states must be contiguous float32 like the locs")
 
 
+#: The vector widths of torch's CPU Adam loop tried by :func:`adam_vector_width` (AVX2 and NEON: 8, AVX-512: 16).
+_ADAM_WIDTHS = (8, 16, 4)
+
+
+@functools.cache
+def adam_vector_width(beta1: float, beta2: float, eps: float) -> int | None:
+    """The vector width ``W`` with which the fused update reproduces this process's ``torch._fused_adam_`` bit for
+    bit for Adam's ``beta1, beta2, eps``, or ``None`` if no width does (another torch
+    build, e.g. ``ATEN_CPU_CAPABILITY=default`` whose vector loop rounds each operation apart): checked once per
+    process and hyperparameters, over three steps on every tensor size from 1 to 40 and one of 1000, with gradients
+    over six orders of magnitude.  The explicit step keeps the autograd path where this is ``None``."""
+    from common.adam import Adam
+
+    lib = _NATIVE.get()
+    if lib is None or not hasattr(torch, "_fused_adam_"):
+        return None
+    g = torch.Generator().manual_seed(12345)
+    sizes = [*range(1, 41), 1000]
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    grads = [[torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g).float() for n in sizes]
+             for _ in range(3)]
+    reference = Adam([(params, 1e-2)], betas=(beta1, beta2), eps=eps)
+    counter = Adam([([torch.nn.Parameter(p.detach().clone()) for p in params], 1e-2)], betas=(beta1, beta2), eps=eps)
+    if not reference.fused_applies(params):
+        return None
+    candidates = {w: [p.detach().clone() for p in params] for w in _ADAM_WIDTHS}
+    states = {w: [(torch.zeros(n), torch.zeros(n)) for n in sizes] for w in _ADAM_WIDTHS}
+    h = np.array(reference.constants(), dtype=np.float32)
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr
+        reference.step()
+        terms = counter.advance(counter.groups[0][0])
+        for w in _ADAM_WIDTHS:
+            for n, p, (m, v), gr, t in zip(sizes, candidates[w], states[w], step_grads, terms):
+                lib.pgvi_adam_only(gr.data_ptr(), n, w, p.data_ptr(), m.data_ptr(), v.data_ptr(), h.ctypes.data,
+                                   t[2], t[3])
+    for w in _ADAM_WIDTHS:
+        if all(torch.equal(c, p.detach()) and torch.equal(m, reference.exp_avg[id(p)])
+               and torch.equal(v, reference.exp_avg_sq[id(p)])
+               for c, (m, v), p in zip(candidates[w], states[w], params)):
+            return w
+    return None
+
+
 def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | None], g_locs: list[Tensor | None],
                   g_div: float, kind: int, alpha: float, adam: tuple[float, float, float, float],
                   loc_terms: list[tuple[Tensor, Tensor, float, float]],
-                  raw_terms: list[tuple[Tensor, Tensor, float, float]], validate: bool = True) -> None:
+                  raw_terms: list[tuple[Tensor, Tensor, float, float]], vector_width: int,
+                  validate: bool = True) -> None:
     """:func:`backward` and one Adam step in one pass, in place: the gradient w.r.t. ``state.locs[i]`` (which
     must be the parameters' own storage) is the divergence's plus ``g_locs[i]`` (the loss's; ``None``: none),
     the gradient w.r.t. ``raws[i]`` is :func:`backward`'s, and each parameter, its ``exp_avg`` and
     ``exp_avg_sq`` are updated as torch's fused Adam kernel would (``adam`` = :meth:`common.adam.Adam.constants`,
-    the terms from :meth:`common.adam.Adam.advance` for the locs and the raws).  The result is bit-identical to
-    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).
-    ``validate=False`` skips :func:`check_adam_operands` for a caller that ran it once on the same tensors."""
+    the terms from :meth:`common.adam.Adam.advance` for the locs and the raws, ``vector_width`` from
+    :func:`adam_vector_width` for the optimiser's hyperparameters).  The result is bit-identical to :func:`backward`, adding
+    ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).  ``validate=False`` skips the checks of
+    the operands (:func:`check_adam_operands`, the gradients' shapes and types) for a caller that made them
+    itself."""
     lib = _NATIVE.get()
     assert lib is not None
     t_count = len(state.locs)
@@ -427,6 +491,11 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
     g_locs = [None if g is None else g.contiguous() for g in g_locs]
     if validate:
         check_adam_operands(state.locs, raws, loc_terms, raw_terms)
+        for loc, gv, gl in zip(state.locs, g_vars, g_locs):
+            if any(g is not None and (g.shape != loc.shape or g.dtype != torch.float32) for g in (gv, gl)):
+                raise ValueError("backward_adam: the loss's gradients must be float32 and shaped like the locs")
+        if vector_width not in _ADAM_WIDTHS:
+            raise ValueError(f"backward_adam: vector width must be one of {_ADAM_WIDTHS}, got {vector_width!r}")
     ptrs = np.array([0 if t is None else t.data_ptr() for i in range(t_count)
                      for t in (state.variances[i], state.chains[i], state.mean_ps[i], state.lam_ps[i], g_vars[i],
                                g_locs[i], state.locs[i], raws[i], loc_terms[i][0], loc_terms[i][1],
@@ -436,7 +505,7 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
 
     def upd(g0: int, g1: int, nt: int) -> None:
         lib.pgvi_mf_backward_adam_many(t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data, g_div,
-                                       g0, g1, nt, kind, alpha, consts.ctypes.data, terms.ctypes.data)
+                                       g0, g1, nt, kind, alpha, vector_width, consts.ctypes.data, terms.ctypes.data)
 
     if state.off[-1]:
         run_parallel(_NATIVE, upd, int(state.off[-1]))
