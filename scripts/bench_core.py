@@ -122,6 +122,10 @@ def main() -> None:
     ap.add_argument("--compare-torch-path", action="store_true",
                     help="then run the same epochs in a child process with PGVI_FUSED_KERNELS=0 (the torch path) "
                          "and print the kernels' speed-up measured in this run")
+    ap.add_argument("--compare-autograd-route", type=int, default=0, metavar="ROUNDS",
+                    help="then, in this process, alternate the explicit step (common/explicit_step.py) and the autograd "
+                         "route with the same kernels (PGVI_EXPLICIT_STEP=0) for ROUNDS rounds of one epoch per "
+                         "configuration, and print best / median epoch times and the ratio of the best")
     ap.add_argument("--default-allocator", action="store_true",
                     help="keep glibc's malloc thresholds (the clients tune them: common.runtime.configure_compute)")
     args = ap.parse_args()
@@ -193,6 +197,8 @@ def main() -> None:
             local_gvi(model, cases[1][1], cases[1][2], prior, x[:sub], y[:sub], init, base)
         print(prof.key_averages(group_by_input_shape=bool(os.environ.get("BENCH_SHAPES"))).table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("BENCH_ROWS", "25"))))
 
+    if args.compare_autograd_route > 0:
+        compare_autograd_route(args.compare_autograd_route, cases, model, prior, x, y, init, base)
     if args.compare_torch_path and not native.disabled_by_environment():
         compare_torch_path(args, {name: min(times) for name, times, *_ in measured})
     print(f"peak RSS: {rss_mb():.0f} MB; load average after: {os.getloadavg()}")
@@ -205,7 +211,7 @@ def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float])
 
     cmd = [sys.executable, __file__]
     for key, value in vars(args).items():  # every option of this run, but not the profile or the comparison
-        if key in ("profile", "compare_torch_path") or value is False:
+        if key in ("profile", "compare_torch_path", "compare_autograd_route") or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         cmd += [flag] if value is True else [flag, str(value)]
@@ -220,6 +226,32 @@ def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float])
         if name in torch_epoch:
             print(f"[{name}] kernels {t:.3f} s vs torch path {torch_epoch[name]:.3f} s per epoch: "
                   f"{torch_epoch[name] / t:.2f}x")
+
+
+def compare_autograd_route(rounds: int, cases: list, model, prior, x, y, init, base) -> None:  # type: ignore[no-untyped-def]
+    """Alternate the two routes of a local step in this process (the machine's drift hits both alike)."""
+    from common import explicit_step
+
+    saved = os.environ.get(explicit_step.ENV_SWITCH)
+    times: dict[tuple[str, str], list[float]] = {}
+    try:
+        for r in range(rounds):
+            for route, switch in (("explicit step", "1"), ("autograd route", "0")):
+                os.environ[explicit_step.ENV_SWITCH] = switch
+                for name, loss, div in cases:
+                    t0 = time.perf_counter()
+                    local_gvi(model, loss, div, prior, x, y, init, replace(base, seed=base.seed + r))
+                    times.setdefault((name, route), []).append(time.perf_counter() - t0)
+    finally:
+        if saved is None:
+            os.environ.pop(explicit_step.ENV_SWITCH, None)
+        else:
+            os.environ[explicit_step.ENV_SWITCH] = saved
+    print(f"explicit step vs autograd route, {rounds} alternating rounds in this process (s per epoch, best / median):")
+    for name, _, _ in cases:
+        e, a = sorted(times[(name, "explicit step")]), sorted(times[(name, "autograd route")])
+        print(f"[{name}] explicit {e[0]:.3f} / {e[len(e) // 2]:.3f}, autograd {a[0]:.3f} / {a[len(a) // 2]:.3f}: "
+              f"best {a[0] / e[0]:.2f}x")
 
 
 if __name__ == "__main__":
