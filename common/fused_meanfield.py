@@ -175,10 +175,28 @@ static inline void adam_update(float *restrict p, float *restrict m, float *rest
     p[i] = p[i] + (nss * mi) / (sqrtf(vi) / bc2s + h[3]);
 }
 
+/* pgvi_mf_backward followed by loc's gradient + gloss and Adam on loc and raw for i in [lo, hi), all with the
+   arithmetic of torch's vector loop (tail = 0) or of its scalar tail (tail = 1) */
+static inline void mf_adam_range(int64_t lo, int64_t hi, int tail, const float *restrict var,
+                                 const float *restrict chain, const float *restrict mp, const float *restrict lp,
+                                 const float *restrict gvar, const float *restrict gloss, float g_div, int kind,
+                                 float c1, float inv_alpha, float *restrict loc, float *restrict raw,
+                                 float *restrict ml, float *restrict vl, float *restrict mr, float *restrict vr,
+                                 const float *restrict h, const float *restrict a) {
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) {
+        float gm, gr;
+        mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, &gm,
+                 &gr);
+        if (gloss) gm = gm + gloss[i];
+        adam_update(loc, ml, vl, i, gm, h, a[0], a[1], tail);
+        adam_update(raw, mr, vr, i, gr, h, a[2], a[3], tail);
+    }
+}
+
 /* pgvi_mf_backward followed by loc's gradient + gloss (the loss's gradient w.r.t. loc; NULL: none) and Adam on
    loc and raw, for i in [lo, hi) of a tensor of n elements; a[0..3] = loc's -lr/bc1, sqrt(bc2), raw's; vw: the
-   vector width of torch's Adam loop (the last n % vw elements take its scalar tail's arithmetic).  vw = 0 runs
-   only Adam, with gradient gloss for both loc and raw (the self-check against torch). */
+   vector width of torch's Adam loop (the last n % vw elements of the tensor take its scalar tail's arithmetic) */
 void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chain, const float *restrict mp,
                            const float *restrict lp, const float *restrict gvar, const float *restrict gloss,
                            float g_div, int64_t lo, int64_t hi, int64_t n, int64_t vw, int kind, float alpha,
@@ -186,24 +204,11 @@ void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chai
                            float *restrict mr, float *restrict vr, const float *restrict h,
                            const float *restrict a) {
     float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
-    int64_t nv = n - n % vw, mid = hi < nv ? hi : nv;
-    #pragma omp simd
-    for (int64_t i = lo; i < mid; i++) {
-        float gm, gr;
-        mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, &gm,
-                 &gr);
-        if (gloss) gm = gm + gloss[i];
-        adam_update(loc, ml, vl, i, gm, h, a[0], a[1], 0);
-        adam_update(raw, mr, vr, i, gr, h, a[2], a[3], 0);
-    }
-    for (int64_t i = lo > nv ? lo : nv; i < hi; i++) {
-        float gm, gr;
-        mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, &gm,
-                 &gr);
-        if (gloss) gm = gm + gloss[i];
-        adam_update(loc, ml, vl, i, gm, h, a[0], a[1], 1);
-        adam_update(raw, mr, vr, i, gr, h, a[2], a[3], 1);
-    }
+    int64_t nv = n - n % vw;
+    mf_adam_range(lo, hi < nv ? hi : nv, 0, var, chain, mp, lp, gvar, gloss, g_div, kind, c1, inv_alpha, loc, raw,
+                  ml, vl, mr, vr, h, a);
+    mf_adam_range(lo > nv ? lo : nv, hi, 1, var, chain, mp, lp, gvar, gloss, g_div, kind, c1, inv_alpha, loc, raw,
+                  ml, vl, mr, vr, h, a);
 }
 
 /* Adam alone on p (gradient g) for n elements with vector width vw: the arithmetic of adam_update, for the
@@ -252,21 +257,25 @@ int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *re
     return oom;
 }
 
+/* The drivers' loop: thread t of nt takes the global blocks pgvi_split gives it, and BODY runs for each tensor i
+   with a part [e0, e1) in them (T, n, off, g0, g1, nt from the enclosing function). */
+#define PGVI_EACH_TENSOR_PART(BODY) \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") \
+    for (int t = 0; t < nt; t++) { \
+        int64_t b0_ = pgvi_split(g0, g1, 1, t, nt), b1_ = pgvi_split(g0, g1, 1, t + 1, nt), e0, e1; \
+        for (int64_t i = 0; i < T; i++) \
+            if (tensor_part(n, off, i, b0_, b1_, &e0, &e1)) { BODY } \
+    }
+
 /* p: loc, var, chain, mp, lp, gvar (0: no loss gradient), gloc, graw (K = 8) */
 void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                            const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
                            float alpha) {
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int t = 0; t < nt; t++) {
-        int64_t a = pgvi_split(g0, g1, 1, t, nt), b = pgvi_split(g0, g1, 1, t + 1, nt);
-        int64_t e0, e1;
-        for (int64_t i = 0; i < T; i++) {
-            if (!tensor_part(n, off, i, a, b, &e0, &e1)) continue;
-            const int64_t *q = p + 8 * i;
-            pgvi_mf_backward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), fp(q[4]), q[5] ? fp(q[5]) : NULL, g_div, e0, e1,
-                             kind, alpha, wp(q[6]), wp(q[7]));
-        }
-    }
+    PGVI_EACH_TENSOR_PART(
+        const int64_t *q = p + 8 * i;
+        pgvi_mf_backward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), fp(q[4]), q[5] ? fp(q[5]) : NULL, g_div, e0, e1,
+                         kind, alpha, wp(q[6]), wp(q[7]));
+    )
 }
 
 /* p: var, chain, mp, lp, gvar (0: none), gloss (0: none), loc, raw, m_loc, v_loc, m_raw, v_raw (K = 12);
@@ -274,18 +283,12 @@ void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *
 void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                                 const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
                                 float alpha, int64_t vw, const float *restrict h, const float *restrict a) {
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int t = 0; t < nt; t++) {
-        int64_t b0 = pgvi_split(g0, g1, 1, t, nt), b1 = pgvi_split(g0, g1, 1, t + 1, nt);
-        int64_t e0, e1;
-        for (int64_t i = 0; i < T; i++) {
-            if (!tensor_part(n, off, i, b0, b1, &e0, &e1)) continue;
-            const int64_t *q = p + 12 * i;
-            pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL,
-                                  q[5] ? fp(q[5]) : NULL, g_div, e0, e1, n[i], vw, kind, alpha, wp(q[6]),
-                                  wp(q[7]), wp(q[8]), wp(q[9]), wp(q[10]), wp(q[11]), h, a + 4 * i);
-        }
-    }
+    PGVI_EACH_TENSOR_PART(
+        const int64_t *q = p + 12 * i;
+        pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL, q[5] ? fp(q[5]) : NULL,
+                              g_div, e0, e1, n[i], vw, kind, alpha, wp(q[6]), wp(q[7]), wp(q[8]), wp(q[9]), wp(q[10]),
+                              wp(q[11]), h, a + 4 * i);
+    )
 }
 """
 

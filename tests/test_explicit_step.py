@@ -72,6 +72,14 @@ def _run_both(monkeypatch: pytest.MonkeyPatch, args: tuple):  # type: ignore[no-
     return explicit, autograd, used
 
 
+def _assert_bit_identical(model, explicit, autograd) -> None:  # type: ignore[no-untyped-def]
+    assert (explicit.epochs_run, explicit.best_epoch) == (autograd.epochs_run, autograd.best_epoch)
+    assert explicit.objective_trace == autograd.objective_trace
+    for k in model.param_shapes:
+        assert torch.equal(explicit.posterior.mean()[k], autograd.posterior.mean()[k])
+        assert torch.equal(explicit.posterior.variance()[k], autograd.posterior.variance()[k])
+
+
 @pytest.mark.parametrize("loss_spec, div_spec", CASES)
 def test_local_gvi_is_bit_identical_to_the_autograd_path(monkeypatch, loss_spec, div_spec) -> None:  # type: ignore[no-untyped-def]
     model, x, y, cavity, start = _problem()
@@ -80,10 +88,7 @@ def test_local_gvi_is_bit_identical_to_the_autograd_path(monkeypatch, loss_spec,
     args = (model, _loss(*loss_spec), make_divergence(div_spec[0], **div_spec[1]), cavity, x, y, start, cfg)
     explicit, autograd, used = _run_both(monkeypatch, args)
     assert used == 3 * 5  # 300 points in batches of 64: four full batches and one of 44, three epochs
-    assert explicit.objective_trace == autograd.objective_trace
-    for k in model.param_shapes:
-        assert torch.equal(explicit.posterior.mean()[k], autograd.posterior.mean()[k])
-        assert torch.equal(explicit.posterior.variance()[k], autograd.posterior.variance()[k])
+    _assert_bit_identical(model, explicit, autograd)
 
 
 def test_full_batch_is_bit_identical(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -93,10 +98,7 @@ def test_full_batch_is_bit_identical(monkeypatch) -> None:  # type: ignore[no-un
     args = (model, make_loss("gce", delta=0.8), make_divergence("kl"), cavity, x, y, start, cfg)
     explicit, autograd, used = _run_both(monkeypatch, args)
     assert used == explicit.epochs_run
-    assert explicit.objective_trace == autograd.objective_trace
-    for k in model.param_shapes:
-        assert torch.equal(explicit.posterior.mean()[k], autograd.posterior.mean()[k])
-        assert torch.equal(explicit.posterior.variance()[k], autograd.posterior.variance()[k])
+    _assert_bit_identical(model, explicit, autograd)
 
 
 def test_early_stopping_and_the_restored_best_state_are_bit_identical(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -107,11 +109,7 @@ def test_early_stopping_and_the_restored_best_state_are_bit_identical(monkeypatc
     explicit, autograd, used = _run_both(monkeypatch, args)
     assert explicit.epochs_run < 40 and explicit.best_epoch < explicit.epochs_run
     assert used == 3 * explicit.epochs_run
-    assert (explicit.epochs_run, explicit.best_epoch) == (autograd.epochs_run, autograd.best_epoch)
-    assert explicit.objective_trace == autograd.objective_trace
-    for k in model.param_shapes:
-        assert torch.equal(explicit.posterior.mean()[k], autograd.posterior.mean()[k])
-        assert torch.equal(explicit.posterior.variance()[k], autograd.posterior.variance()[k])
+    _assert_bit_identical(model, explicit, autograd)
 
 
 def _adam(q: MeanFieldVariational) -> Adam:
