@@ -95,8 +95,9 @@ class OneHiddenLayerStep:
         if fused_head.loss_spec(loss) is None or getattr(loss, "needs_reference", False):
             return None
         if list(q.names) != list(model.param_shapes) or not all(
-                fused_head.applies_to(t) and fused_meanfield.applies_to(t) for t in (*q.locs, *q.raw_scales)):
-            return None
+                fused_head.applies_to(t) and fused_meanfield.applies_to(t) and t.is_contiguous()
+                for t in (*q.locs, *q.raw_scales)):
+            return None  # the kernels read and write the parameters' storage as dense arrays
         params = [*q.locs, *q.raw_scales]
         if not (isinstance(optimiser, Adam) and optimiser.fused_applies(params)
                 and {id(p) for ps, _ in optimiser.groups for p in ps} == {id(p) for p in params}):

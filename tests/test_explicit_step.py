@@ -126,6 +126,12 @@ def test_applies_only_where_the_autograd_path_runs_the_kernels_for_every_piece(m
     q_deep = MeanFieldVariational(MeanFieldGaussian.isotropic(deep.param_shapes, 0.0, 1.0), dtype=torch.float32)
     unfused = make_model("bnn", in_features=12, hidden=[20], num_classes=4, fused_sampling=False)
     q64 = MeanFieldVariational(start, dtype=torch.float64)
+    # a parameter stored transposed (clone keeps a non-contiguous initial mean's strides)
+    w = start.mean()["layers.0.weight"]
+    strided_mean = dict(start.mean(), **{"layers.0.weight": w.t().contiguous().t()})
+    q_strided = MeanFieldVariational(MeanFieldGaussian.from_mean_variance(strided_mean, start.variance()),
+                                     dtype=torch.float32)
+    assert not q_strided.locs[0].is_contiguous()
     declined = {
         "two hidden layers": (deep, nll, q_deep, fd, x, y, _adam(q_deep)),
         "fused sampling off": (unfused, nll, q, fd, x, y, _adam(q)),
@@ -136,6 +142,7 @@ def test_applies_only_where_the_autograd_path_runs_the_kernels_for_every_piece(m
         "x of the wrong width": (model, nll, q, fd, x[:, :5], y, _adam(q)),
         "an optimiser over other parameters": (model, nll, q, fd, x, y, Adam([(q.loc_parameters(), 1e-2)])),
         "not our Adam": (model, nll, q, fd, x, y, torch.optim.SGD(q.parameters(), lr=0.1)),
+        "a non-contiguous parameter": (model, nll, q_strided, fd, x, y, _adam(q_strided)),
     }
     for why, case in declined.items():
         assert OneHiddenLayerStep.create(*case[:6], 4, case[6]) is None, why
