@@ -17,6 +17,8 @@ pytestmark = pytest.mark.skipif(not fm.available(), reason="mean-field kernels c
 # sizes: whole vectors, every tail length 1..7 of the 8-wide loop, and more than one 4096-element block
 SHAPES = [(3, 8), (9,), (2, 5), (11,), (4, 3), (13,), (7, 2), (15,), (5000,), (3, 1367)]
 KINDS = [("kl", 1.0), ("reverse_kl", 0.0), ("alpha_renyi", 2.5), ("alpha_renyi", 0.5)]
+#: torch CPU builds whose Adam arithmetic the fused update is written for (a failed self-check there is a bug)
+_REPRODUCED = ("AVX2", "AVX512")
 
 
 def _tensors(seed: int):  # type: ignore[no-untyped-def]
@@ -45,8 +47,9 @@ def _check_against_torch(kind: str, alpha: float, threads: int, betas: tuple[flo
     torch.set_num_threads(threads)
     try:
         width = fm.adam_vector_width(betas[0], betas[1], 1e-8)
-        if width is None:
+        if width is None and torch.backends.cpu.get_cpu_capability() not in _REPRODUCED:
             pytest.skip("this torch build's Adam arithmetic is not one the fused update reproduces")
+        assert width is not None, "the fused update no longer reproduces torch's Adam on this build"
         a_locs, a_raws, mps, lps = _tensors(0)
         b_locs = [torch.nn.Parameter(t.detach().clone()) for t in a_locs]
         b_raws = [torch.nn.Parameter(t.detach().clone()) for t in a_raws]

@@ -51,6 +51,15 @@ loc, raw = torch.randn(n, generator=g).requires_grad_(), (0.5 * torch.randn(n, g
 mp, lp = 0.1 * torch.randn(n, generator=g), 1.0 + torch.rand(n, generator=g)
 vv, value, bad = fused_meanfield.variance_and_divergence(loc, raw, mp, lp, "alpha_renyi", 2.5, 0.5, 1e-8)
 out["meanfield"] = dig(vv, value, *torch.autograd.grad(value + vv.sum(), (loc, raw)))
+from common.adam import Adam  # the fused update (backward + Adam in one pass), on the same four blocks
+p_loc, p_raw = torch.nn.Parameter(loc.detach().clone()), torch.nn.Parameter(raw.detach().clone())
+opt = Adam([([p_loc], 1e-2), ([p_raw], 3e-3)])
+for _ in range(3):
+    st, _, _ = fused_meanfield.forward([p_loc.detach()], [p_raw.detach()], [mp], [lp], 2, 2.5, 1e-8)
+    t = opt.advance([p_loc, p_raw])
+    fused_meanfield.backward_adam(st, [p_raw.detach()], [torch.randn(n, generator=g)], [torch.randn(n, generator=g)],
+                                  0.5, 2, 2.5, opt.constants(), t[:1], t[1:], fused_meanfield.adam_vector_width(0.9, 0.999, 1e-8))
+out["update"] = dig(p_loc, p_raw, opt.exp_avg[id(p_loc)], opt.exp_avg_sq[id(p_raw)])
 m2, s2 = torch.randn(64, 100, generator=g).requires_grad_(), (0.5 + torch.rand(64, 100, generator=g)).requires_grad_()
 h, h2, eps = fused_sampling.sample_relu(m2, s2, 5, torch.Generator().manual_seed(2))
 out["sampling"] = dig(h, h2, eps, *torch.autograd.grad((h + h2).sum(), (m2, s2)))
@@ -87,7 +96,7 @@ def test_openmp_and_python_threads_give_identical_results(tmp_path: Path) -> Non
         assert omp["openmp"] == [True, True, True]
         if (Path(omp["torch_dir"]) / "lib").exists() and any((Path(omp["torch_dir"]) / "lib").glob("libgomp*")):
             assert omp["runtime"].startswith(omp["torch_dir"]), omp["runtime"]
-    for key in ("head", "meanfield", "sampling"):
+    for key in ("head", "meanfield", "update", "sampling"):
         assert omp[key] == py[key], key
 
 
