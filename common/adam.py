@@ -61,10 +61,9 @@ class Adam:
         """``(1 - beta1, beta2, 1 - beta2, eps)``: the update's constants, for a kernel that applies it."""
         return 1.0 - self.beta1, self.beta2, 1.0 - self.beta2, self.eps
 
-    def adam_states(self, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, float, float]]:
-        """``(exp_avg, exp_avg_sq, nan, nan)`` per parameter: :meth:`advance`'s shape without counting a step
-        (for checking the states a kernel will write)."""
-        return [(self.exp_avg[id(p)], self.exp_avg_sq[id(p)], math.nan, math.nan) for p in params]
+    def adam_states(self, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """``(exp_avg, exp_avg_sq)`` per parameter, without counting a step (the states a kernel will write)."""
+        return [(self.exp_avg[id(p)], self.exp_avg_sq[id(p)]) for p in params]
 
     def advance(self, params: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, float, float]]:
         """Count one step of ``params`` and return what a kernel needs to apply that step itself, per parameter:

@@ -76,8 +76,8 @@ class OneHiddenLayerStep:
         # operands the fused update writes through raw pointers (checked once here)
         self.numbering = fused_meanfield.blocks(self.locs)
         self.buffers = ([torch.empty_like(p) for p in self.locs], [torch.empty_like(p) for p in self.locs])
-        terms = optimiser.adam_states(self.locs), optimiser.adam_states(self.raws)
-        fused_meanfield.check_adam_operands(self.locs, self.raws, *terms)
+        fused_meanfield.check_adam_operands(self.locs, self.raws, optimiser.adam_states(self.locs),
+                                            optimiser.adam_states(self.raws))
 
     @classmethod
     def create(cls, model, loss, q, fd, x: Tensor, y: Tensor | None, n_samples: int,  # type: ignore[no-untyped-def]

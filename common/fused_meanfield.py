@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -418,12 +419,13 @@ def backward(state: MomentPass, g_vars: list[Tensor | None], g_div: float, kind:
     return g_locs, g_raws
 
 
-def check_adam_operands(locs: list[Tensor], raws: list[Tensor], loc_terms: list[tuple[Tensor, Tensor, float, float]],
-                        raw_terms: list[tuple[Tensor, Tensor, float, float]]) -> None:
+def check_adam_operands(locs: list[Tensor], raws: list[Tensor], loc_states: Sequence[tuple],
+                        raw_states: Sequence[tuple]) -> None:
     """Raise ``ValueError`` unless every raw scale and Adam state is a contiguous float32 tensor shaped like
-    its loc (what :func:`backward_adam` writes through raw pointers)."""
+    its loc (what :func:`backward_adam` writes through raw pointers).  ``loc_states[i]``, ``raw_states[i]``
+    start with ``(exp_avg, exp_avg_sq)``: :meth:`common.adam.Adam.adam_states` or ``advance``'s terms."""
     for i, loc in enumerate(locs):
-        for t in (raws[i], loc_terms[i][0], loc_terms[i][1], raw_terms[i][0], raw_terms[i][1]):
+        for t in (raws[i], loc_states[i][0], loc_states[i][1], raw_states[i][0], raw_states[i][1]):
             if t.shape != loc.shape or not t.is_contiguous() or t.dtype != torch.float32:
                 raise ValueError("backward_adam: raws and Adam states must be contiguous float32 like the locs")
 
@@ -483,8 +485,8 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
     the gradient w.r.t. ``raws[i]`` is :func:`backward`'s, and each parameter, its ``exp_avg`` and
     ``exp_avg_sq`` are updated as torch's fused Adam kernel would (``adam`` = :meth:`common.adam.Adam.constants`,
     the terms from :meth:`common.adam.Adam.advance` for the locs and the raws, ``vector_width`` from
-    :func:`adam_vector_width` for the optimiser's hyperparameters).  The result is bit-identical to :func:`backward`, adding
-    ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).  ``validate=False`` skips the checks of
+    :func:`adam_vector_width` for the optimiser's hyperparameters).  The result is bit-identical to
+    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).  ``validate=False`` skips the checks of
     the operands (:func:`check_adam_operands`, the gradients' shapes and types) for a caller that made them
     itself."""
     lib = _NATIVE.get()
