@@ -1,7 +1,7 @@
 """Data path of the PGVI core: real datasets, client partitions, label contamination, synthetic DGPs.
 
-numpy only at import time: scikit-learn and torchvision are imported lazily by the loaders that need them,
-so a client-only install can import this package.
+numpy only at import time: torchvision is imported lazily, and only to download; scikit-learn is never imported
+(the embedded sets are read from the files its wheel ships), so a client-only install can import this package.
 """
 
 from common.data.contamination import class_map_flip, random_flip
