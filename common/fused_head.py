@@ -65,6 +65,36 @@ typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4 * VL)));
 
 static inline float hsum(vf a) { float s = 0.0f; for (int i = 0; i < VL; i++) s += a[i]; return s; }
 
+/* G[c] += sum_k F[k CP + c] Xs[k] (rows c of a C x nv-vector weight gradient, F the group's RG x CP loss
+   gradients, Xs its RG rows of h or h^2), two classes at a time: one load of Xs feeds two FMAs.  The sum over k
+   keeps the order of a one-class loop; G has a zero padding row C when C is odd.  Macros, not functions: as
+   inline functions GCC 12 scheduled them worse (the head 2.5 % slower, same results).  Both read C, CP and nv
+   (the second also v and nw) from the enclosing scope. */
+#define WEIGHT_GRADIENT_PAIRS(G, F, Xs)                                                                           \
+    for (int64_t c = 0; c < C; c += 2) {                                                                          \
+        const int two = c + 1 < C;                                                                                \
+        float a0 = F[c], a1 = F[CP + c], a2 = F[2 * CP + c], a3 = F[3 * CP + c];                                  \
+        float b0 = two ? F[c + 1] : 0.0f, b1 = two ? F[CP + c + 1] : 0.0f,                                        \
+              b2 = two ? F[2 * CP + c + 1] : 0.0f, b3 = two ? F[3 * CP + c + 1] : 0.0f;                           \
+        vf *ga = G + c * nv, *gb = G + (c + 1) * nv;                                                              \
+        for (int64_t v = 0; v < nv; v++) {                                                                        \
+            vf x0 = Xs[0][v], x1 = Xs[1][v], x2 = Xs[2][v], x3 = Xs[3][v];                                        \
+            ga[v] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3;                                                       \
+            gb[v] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3;                                                       \
+        }                                                                                                         \
+    }
+
+/* acc[k][t] += sum_c F[k CP + c] Wm[c nv + v + t] for the group's RG rows and the nw (1 or 2) column vectors
+   v, v + 1 of the C x nv-vector weights Wm: d/dh's two products, one weight load for four FMAs */
+#define INPUT_GRADIENT_PAIR(acc, Wm, F)                                                                           \
+    for (int64_t c = 0; c < C; c++) {                                                                             \
+        const vf *w = Wm + c * nv + v;                                                                            \
+        vf w0 = w[0], w1 = nw > 1 ? w[1] : w[0];                                                                  \
+        float d0 = F[c], d1 = F[CP + c], d2 = F[2 * CP + c], d3 = F[3 * CP + c];                                  \
+        acc[0][0] += d0 * w0; acc[1][0] += d1 * w0; acc[2][0] += d2 * w0; acc[3][0] += d3 * w0;                   \
+        acc[0][1] += d0 * w1; acc[1][1] += d1 * w1; acc[2][1] += d2 * w1; acc[3][1] += d3 * w1;                   \
+    }
+
 /* The noise of rows [r0, r1) of one draw: normals [r0 W, r1 W) of stream s sit at buf[i - returned offset];
    whole tiles, as in pgvi_normals, so a number depends only on (key, stream, index). */
 static int64_t fill_rows(float *buf, int64_t r0, int64_t r1, int64_t W, uint32_t s, uint32_t k0, uint32_t k1) {
@@ -206,47 +236,13 @@ int pgvi_head_block(const float *restrict mu, const float *restrict sd, int64_t 
                one; every sum keeps the order of the one-class / one-column loops it replaces, so the results are
                bit for bit theirs (2.75 -> 2.58 ms per 256 x 10 rows on a Zen 3).  The mean and variance halves run
                as separate passes, each tile's eight accumulators and factors in registers. */
-            for (int64_t c = 0; c < C; c += 2) { /* two classes at a time: one load of X for eight FMAs */
-                const int two = c + 1 < C;
-                float a0 = DM[c], a1 = DM[CP + c], a2 = DM[2 * CP + c], a3 = DM[3 * CP + c];
-                float b0 = two ? DM[c + 1] : 0.0f, b1 = two ? DM[CP + c + 1] : 0.0f,
-                      b2 = two ? DM[2 * CP + c + 1] : 0.0f, b3 = two ? DM[3 * CP + c + 1] : 0.0f;
-                vf *dw = DW + c * nv, *dx = DW + (c + 1) * nv;
-                for (int64_t v = 0; v < nv; v++) {
-                    vf x0 = X[0][v], x1 = X[1][v], x2 = X[2][v], x3 = X[3][v];
-                    dw[v] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3;
-                    dx[v] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3;
-                }
-            }
-            for (int64_t c = 0; c < C; c += 2) {
-                const int two = c + 1 < C;
-                float e0 = DV[c], e1 = DV[CP + c], e2 = DV[2 * CP + c], e3 = DV[3 * CP + c];
-                float f0 = two ? DV[c + 1] : 0.0f, f1 = two ? DV[CP + c + 1] : 0.0f,
-                      f2 = two ? DV[2 * CP + c + 1] : 0.0f, f3 = two ? DV[3 * CP + c + 1] : 0.0f;
-                vf *du = DU + c * nv, *dx = DU + (c + 1) * nv;
-                for (int64_t v = 0; v < nv; v++) {
-                    vf x0 = X2[0][v], x1 = X2[1][v], x2 = X2[2][v], x3 = X2[3][v];
-                    du[v] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3;
-                    dx[v] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3;
-                }
-            }
+            WEIGHT_GRADIENT_PAIRS(DW, DM, X)
+            WEIGHT_GRADIENT_PAIRS(DU, DV, X2)
             for (int64_t v = 0; v < nv; v += 2) { /* d/dh, two column vectors at a time: eight FMAs per six loads */
                 const int64_t nw = v + 1 < nv ? 2 : 1;
                 vf g[RG][2] = {{{0}}}, q[RG][2] = {{{0}}};
-                for (int64_t c = 0; c < C; c++) {
-                    const vf *w = W + c * nv + v;
-                    vf w0 = w[0], w1 = nw > 1 ? w[1] : w[0];
-                    float d0 = DM[c], d1 = DM[CP + c], d2 = DM[2 * CP + c], d3 = DM[3 * CP + c];
-                    g[0][0] += d0 * w0; g[1][0] += d1 * w0; g[2][0] += d2 * w0; g[3][0] += d3 * w0;
-                    g[0][1] += d0 * w1; g[1][1] += d1 * w1; g[2][1] += d2 * w1; g[3][1] += d3 * w1;
-                }
-                for (int64_t c = 0; c < C; c++) {
-                    const vf *u = U + c * nv + v;
-                    vf u0 = u[0], u1 = nw > 1 ? u[1] : u[0];
-                    float e0 = DV[c], e1 = DV[CP + c], e2 = DV[2 * CP + c], e3 = DV[3 * CP + c];
-                    q[0][0] += e0 * u0; q[1][0] += e1 * u0; q[2][0] += e2 * u0; q[3][0] += e3 * u0;
-                    q[0][1] += e0 * u1; q[1][1] += e1 * u1; q[2][1] += e2 * u1; q[3][1] += e3 * u1;
-                }
+                INPUT_GRADIENT_PAIR(g, W, DM)
+                INPUT_GRADIENT_PAIR(q, U, DV)
                 for (int64_t t = 0; t < nw; t++) {
                     int64_t j0 = (v + t) * VL, m = H - j0 < VL ? H - j0 : VL;
                     for (int k = 0; k < nr; k++) {
