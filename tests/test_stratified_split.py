@@ -128,7 +128,7 @@ def test_test_fraction_and_label_shape_are_guarded(test_fraction):
 
 
 def test_the_loaders_test_fraction_can_reach_the_split_errors():
-    # breast_cancer has 569 points: 0.999 leaves an empty train set, 0.002 a test set of 2 >= 2 classes
+    # breast_cancer has 569 points: 0.999 leaves an empty train set, 0.001 a test set of 1 < 2 classes
     with pytest.raises(ValueError, match="empty train set"):
         load_dataset("breast_cancer", test_fraction=0.999)
     with pytest.raises(ValueError, match="test set of 1, fewer than the 2 classes"):

@@ -5,7 +5,7 @@
 puts in the train and the test set, in the same order (``StratifiedShuffleSplit`` with one split, as in
 scikit-learn 1.9.1; the tests compare it with the installed scikit-learn).  It exists so that the seeded splits
 of the embedded ``digits`` and ``breast_cancer`` sets (:mod:`common.data.datasets`) stay exactly the ones the
-project has always used while loading them no longer imports scikit-learn: that import costs about 78 MB of
+project has always used while loading them no longer imports scikit-learn: that import costs 60-80 MB of
 resident memory in every process that loads them (the ServerApp and each simulation client actor) and maps
 scikit-learn's own libgomp next to torch's.
 
@@ -14,7 +14,7 @@ One ``np.random.RandomState(seed)`` drives every random step, in this order:
 1. sizes: ``n_test = ceil(test_fraction * n)`` (of the float product: ``0.07 * 100`` is ``7.000000000000001``,
    so 8 test points), ``n_train = n - n_test``;
 2. per-class counts: ``n_i = approximate_mode(class_counts, n_train)`` for train, then
-   ``t_i = approximate_mode(class_counts - n_i, n_test)`` for test (both may draw from the stream to break ties);
+   ``t_i = approximate_mode(class_counts - n_i, n_test)`` for test (each draws from the stream whenever a remainder is left to hand out);
 3. for each class, in sorted label order, a permutation of its indices (ascending): the first ``n_i`` go to
    train, the next ``t_i`` to test;
 4. a permutation of the concatenated train indices, then one of the test indices.
