@@ -23,8 +23,11 @@ LOSSES = {
     "weighted_gce": lambda: weighted(make_loss("gce", delta=0.5), 50.0),
 }
 # (R, H, C, S, D, B): one hidden layer (R = B rows, D = S draws); ragged H and R (blocks of 128 rows, vectors of
-# 16); a deeper network's last layer (R = S B rows of samples, D = 1, label of row r is y[r mod B])
-SHAPES = [(256, 200, 10, 10, 10, 256), (300, 37, 3, 4, 4, 300), (60, 16, 5, 3, 1, 20)]
+# 16); a deeper network's last layer (R = S B rows of samples, D = 1, label of row r is y[r mod B]); the most
+# classes (C = MAX_CLASSES) on one hidden unit; an odd class count with an odd number of vectors and a last
+# row group of one row (the kernel's class pairs and column-vector pairs)
+SHAPES = [(256, 200, 10, 10, 10, 256), (300, 37, 3, 4, 4, 300), (60, 16, 5, 3, 1, 20),
+          (64, 1, fused_head.MAX_CLASSES, 2, 2, 64), (133, 17, 9, 2, 2, 133)]
 
 
 def _inputs(R: int, H: int, C: int, seed: int = 0) -> list[torch.Tensor]:
