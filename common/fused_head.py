@@ -234,8 +234,8 @@ int pgvi_head_block(const float *restrict mu, const float *restrict sd, int64_t 
                AVX2's sixteen vector registers and spilled).  Each works on a 2 x 4 tile: two classes (weight
                gradients) or two column vectors (d/dh) of the four rows, so a vector load feeds two FMAs instead of
                one; every sum keeps the order of the one-class / one-column loops it replaces, so the results are
-               bit for bit theirs for finite values (2.75 -> 2.58 ms per 256 x 10 rows on a Zen 3).  The mean and variance halves run
-               as separate passes, each tile's eight accumulators and factors in registers. */
+               bit for bit theirs for finite values (2.75 -> 2.58 ms per 256 x 10 rows on a Zen 3).  The mean and
+               variance halves run as separate passes, each tile's eight accumulators and factors in registers. */
             WEIGHT_GRADIENT_PAIRS(DW, DM, X)
             WEIGHT_GRADIENT_PAIRS(DU, DV, X2)
             for (int64_t v = 0; v < nv; v += 2) { /* d/dh, two column vectors at a time: eight FMAs per six loads */

@@ -486,9 +486,9 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
     ``exp_avg_sq`` are updated as torch's fused Adam kernel would (``adam`` = :meth:`common.adam.Adam.constants`,
     the terms from :meth:`common.adam.Adam.advance` for the locs and the raws, ``vector_width`` from
     :func:`adam_vector_width` for the optimiser's hyperparameters).  The result is bit-identical to
-    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).  ``validate=False`` skips the checks of
-    the operands (:func:`check_adam_operands`, the gradients' shapes and types) for a caller that made them
-    itself."""
+    :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).
+    ``validate=False`` skips the checks of the operands (:func:`check_adam_operands`, the gradients' shapes and
+    types) for a caller that made them itself."""
     lib = _NATIVE.get()
     assert lib is not None
     t_count = len(state.locs)

@@ -26,11 +26,11 @@ Names and where the data come from:
 
 The two small sets are read from the data files the scikit-learn wheel ships (``sklearn/datasets/data``,
 located with ``importlib.util.find_spec``), parsed into the arrays scikit-learn's own loaders return (tested
-byte for byte), and split by
-:func:`common.data.stratified_split.stratified_split`, which reproduces ``train_test_split(x, y,
-test_size=test_fraction, stratify=y, random_state=seed)`` exactly: the arrays are bit-identical to the
-scikit-learn route, but scikit-learn (and scipy) is never imported, which saves 60-80 MB of resident memory
-per process (80 MB in a fresh process after ``import torch``, 59-73 MB in the processes of a simulation) and keeps a second libgomp out of the processes that also run torch.
+byte for byte), and split by :func:`common.data.stratified_split.stratified_split`, which reproduces
+``train_test_split(x, y, test_size=test_fraction, stratify=y, random_state=seed)`` exactly: the arrays are
+bit-identical to the scikit-learn route, but scikit-learn (and scipy) is never imported.  That saves 60-80 MB of
+resident memory per process (80 MB in a fresh process after ``import torch``, 59-73 MB in the processes of a
+simulation) and keeps a second libgomp out of the processes that also run torch.
 
 All image sets are scaled to [0, 1] (pixels / 255) and flattened.  The IDX reader and the CIFAR reader are
 our own, so reading never needs torchvision; torchvision is imported lazily and only to download.  When

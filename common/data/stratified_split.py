@@ -14,7 +14,8 @@ One ``np.random.RandomState(seed)`` drives every random step, in this order:
 1. sizes: ``n_test = ceil(test_fraction * n)`` (of the float product: ``0.07 * 100`` is ``7.000000000000001``,
    so 8 test points), ``n_train = n - n_test``;
 2. per-class counts: ``n_i = approximate_mode(class_counts, n_train)`` for train, then
-   ``t_i = approximate_mode(class_counts - n_i, n_test)`` for test (each draws from the stream whenever a remainder is left to hand out);
+   ``t_i = approximate_mode(class_counts - n_i, n_test)`` for test (each draws from the stream whenever a
+   remainder is left to hand out);
 3. for each class, in sorted label order, a permutation of its indices (ascending): the first ``n_i`` go to
    train, the next ``t_i`` to test;
 4. a permutation of the concatenated train indices, then one of the test indices.
