@@ -55,7 +55,7 @@ class OneHiddenLayerStep:
     apply."""
 
     def __init__(self, model, loss, q, fd, x: Tensor, y: Tensor, n_samples: int,  # type: ignore[no-untyped-def]
-                 optimiser: Adam) -> None:
+                 optimiser: Adam, adam_width: int) -> None:
         spec = fused_head.loss_spec(loss)
         assert spec is not None
         self.delta, self.weight = spec
@@ -71,7 +71,7 @@ class OneHiddenLayerStep:
         self.n_samples = int(n_samples)
         self.dtype = self.locs[0].dtype
         self.optimiser = optimiser
-        self.adam_width = fused_meanfield.adam_vector_width(optimiser.beta1, optimiser.beta2, optimiser.eps)
+        self.adam_width = adam_width  # fused_meanfield.adam_vector_width for the optimiser's hyperparameters
         # fixed per run: the parameters' block numbering, buffers for the variances and d var / d raw, and the
         # operands the fused update writes through raw pointers (checked once here)
         self.numbering = fused_meanfield.blocks(self.locs)
@@ -103,12 +103,13 @@ class OneHiddenLayerStep:
                 and {id(p) for ps, _ in optimiser.groups for p in ps} == {id(p) for p in params}):
             return None
         # the fused update reproduces this torch build's Adam bit for bit (checked once), or the autograd path runs
-        if fused_meanfield.adam_vector_width(optimiser.beta1, optimiser.beta2, optimiser.eps) is None:
+        adam_width = fused_meanfield.adam_vector_width(optimiser.beta1, optimiser.beta2, optimiser.eps)
+        if adam_width is None:
             return None
         if not (x.dtype == q.locs[0].dtype and x.dim() == 2 and x.shape[1] == model.in_features
                 and y is not None and y.shape == (x.shape[0],) and not torch.is_floating_point(y)):
             return None
-        return cls(model, loss, q, fd, x, y, n_samples, optimiser)
+        return cls(model, loss, q, fd, x, y, n_samples, optimiser, adam_width)
 
     def __call__(self, idx: Tensor | slice, generator: torch.Generator | None,
                  check: Callable[[Tensor, Tensor], object] | None = None) -> tuple[Tensor, Tensor]:
