@@ -191,6 +191,8 @@ def _role(cmd: list[str]) -> str:
         return "warm-worker"
     if "client.preforked_superexec" in cmd[:4]:  # `python -m client.preforked_superexec`: the node's SuperExec
         return "flower-superexec"
+    if "client.paced_supernode" in cmd[:4]:  # `python -m client.paced_supernode`: the SuperNode
+        return "flower-supernode"
     if "-c" in cmd[:6] and cmd.index("-c") + 1 < len(cmd):  # multiprocessing's helpers: `python [flags] -c CODE`
         code = cmd[cmd.index("-c") + 1]
         for helper, role in _MP_HELPERS.items():
@@ -561,15 +563,15 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
 
     extra = {} if args.poll_interval is None else {"superexec_poll_interval": args.poll_interval}
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
-    result.update({"isolation": isolation, "superexec": args.superexec})
+    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode})
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
                          warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
-                         **extra) as dep:
+                         supernode=args.supernode, **extra) as dep:
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup
         print(f"{args.clients} SuperNodes online after {result['setup-seconds']:.1f}s (TLS on, isolation "
-              f"{dep.isolation}, SuperExec {dep.superexec}, "
+              f"{dep.isolation}, SuperExec {dep.superexec}, SuperNode {dep.supernode}, "
               f"warm compute workers {'ON' if dep.warm_workers else 'off'}, "
               f"node config torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL="
               f"{dep.superexec_poll_interval}, SuperLink --database "
@@ -706,6 +708,81 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     print(f"target overhead <= 10 % of the round: worst round {100 * ovh:.1f} % -> {verdict(ovh <= 0.10)}")
     print(f"target bytes per update <= 1.05 x payload: {ratio:.4f} x -> {verdict(ratio <= 1.05)}")
     print(f"uptime after: {result['uptime-after']}", flush=True)
+    return result
+
+
+# ================================================================================================ part 4
+def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """Rounds with (almost) no compute: what a synchronous round costs in Flower's transport alone, with
+    Flower's SuperNode and with ``client/paced_supernode.py``, in alternating deployments of the same run."""
+    import statistics
+
+    from scripts.deploy import Deployment, free_port_kwargs
+
+    wd = args.workdir / "latency"
+    shutil.rmtree(wd, ignore_errors=True)
+    n = args.latency_clients
+    base: dict[str, Any] = {
+        "model": "gaussian_location", "dataset": "synthetic_gaussian_location", "family": "full_covariance",
+        "loss": "nll", "divergence": "kl", "num-clients": n, "min-clients": n, "evaluate-clients": False,
+        "num-server-rounds": args.latency_rounds, "wait-for-clients-s": 600.0, "round-timeout-s": 120.0,
+    }  # fmt: skip
+    print(f"\n=== part 4: round latency, {n} SuperNodes, conjugate Gaussian location (local update of "
+          f"milliseconds), {args.latency_rounds} rounds, {args.latency_repeats} deployment(s) per SuperNode ===")
+    print(f"run config: {json.dumps(base)}; TLS + SuperNode auth, isolation process, SuperExec preforked, "
+          "warm compute workers, torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 (Deployment's defaults "
+          "otherwise)", flush=True)
+    result: dict[str, Any] = {"run-config": base, "uptime-before": uptime_line(), "runs": []}
+    rounds: dict[str, list[float]] = {"flower": [], "paced": []}
+    cpu_per_s: dict[str, list[float]] = {"flower": [], "paced": []}
+    for rep in range(args.latency_repeats):
+        for sn in ("flower", "paced"):
+            out_dir = wd / f"{sn}-{rep}" / "outputs"
+            out_dir.mkdir(parents=True)
+            with Deployment(n, run_dir=wd / f"{sn}-{rep}" / "deploy", isolation="process", superexec="preforked",
+                            warm_workers=True, supernode=sn, node_config={"torch-threads": 1},
+                            **free_port_kwargs(n)) as dep:  # fmt: skip
+                dep.start()
+                dep.wait_online(timeout=600)
+                sampler = ProcTreeSampler("PGVI_DEPLOY_ID", dep.token, 0.25, exclude={os.getpid()})
+                sampler.scan()
+                watcher = RowWatcher(out_dir).start()
+                sampler.start()
+                res = dep.run_app({**base, "output-dir": str(out_dir)}, timeout=args.run_timeout)
+                sampler.stop()
+                watcher.stop()
+            leftovers = dep.leftover_processes()
+            t = [t for t, _ in watcher.rows]
+            walls = [b - a for a, b in zip(t, t[1:])]
+            span = (t[-1], t[1]) if len(t) > 2 else (float("nan"), float("nan"))
+            cpu = sampler.cpu_by_role(span[1], span[0])  # rounds 2.. (round 1 includes the first forks)
+            secs = span[0] - span[1]
+            run = {"supernode": sn, "repeat": rep, "status": res.status, "ok": res.ok, "round-walls-s": walls,
+                   "leftover-processes": leftovers, "cpu-s-by-role-rounds-2-on": cpu, "seconds-rounds-2-on": secs}
+            result["runs"].append(run)
+            if not res.ok or len(walls) != args.latency_rounds:
+                print(f"{sn} #{rep}: run {res.status} {res.details}, {len(walls)} rounds recorded; log "
+                      f"{res.log_path}", flush=True)
+                result["ok"] = False
+                continue
+            rounds[sn].extend(walls[1:])
+            cpu_per_s[sn].append(cpu.get("flower-supernode", 0.0) / secs / n)
+            print(f"{sn:>6} #{rep}: rounds 2-{args.latency_rounds} median {statistics.median(walls[1:]):.2f} s "
+                  f"(min {min(walls[1:]):.2f}, max {max(walls[1:]):.2f}); round 1 {walls[0]:.2f} s; SuperNode CPU "
+                  f"{1000 * cpu_per_s[sn][-1]:.1f} ms/s each; processes left: {len(leftovers)}", flush=True)
+    rows = []
+    for sn, w in rounds.items():
+        if w:
+            q = statistics.quantiles(w, n=10) if len(w) > 1 else [w[0]] * 9
+            rows.append([sn, len(w), statistics.median(w), statistics.fmean(w), q[8], max(w),
+                         1000 * statistics.fmean(cpu_per_s[sn])])
+    print("\nround wall time over rounds 2.. of every deployment (seconds):")
+    print(table(["SuperNode", "rounds", "median", "mean", "p90", "max", "SuperNode CPU ms/s each"], rows))
+    result["summary"] = {r[0]: dict(zip(("rounds", "median-s", "mean-s", "p90-s", "max-s", "supernode-cpu-ms-per-s"),
+                                        r[1:])) for r in rows}  # fmt: skip
+    result["uptime-after"] = uptime_line()
+    print(f"uptime after: {result['uptime-after']}", flush=True)
+    result.setdefault("ok", True)
     return result
 
 
@@ -975,6 +1052,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--network", action="store_true", help="part 1: BNN rounds in the loopback deployment")
     ap.add_argument("--simulation", action="store_true", help="part 2: 1,000-client simulation memory")
     ap.add_argument("--client-rss", action="store_true", help="part 3: client process RSS, two installs")
+    ap.add_argument("--latency", action="store_true",
+                    help="part 4: round latency without compute, Flower's SuperNode against the paced one")
+    ap.add_argument("--latency-clients", type=int, default=3)
+    ap.add_argument("--latency-rounds", type=int, default=15)
+    ap.add_argument("--latency-repeats", type=int, default=2, help="deployments per SuperNode kind (alternating)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/pgvi-bench-network"))
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
@@ -993,6 +1075,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 1: the nodes' SuperExec (Deployment(superexec=...)); preforked = "
                          "client/preforked_superexec.py, ClientApps forked from a warm forkserver (implies "
                          "--isolation process)")
+    ap.add_argument("--supernode", choices=("flower", "paced"), default="flower",
+                    help="part 1: the SuperNodes (Deployment(supernode=...)); paced = client/paced_supernode.py, "
+                         "pulling again 0.1 s after a reply instead of 3 s")
     ap.add_argument("--sim-clients", type=int, default=1000)
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)
@@ -1008,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--superexec preforked needs --isolation process")
     if str(args.client_venv.resolve()).startswith(str(ROOT)):
         ap.error("--client-venv must be outside the repository")
-    parts = [p for p in ("client_rss", "network", "simulation") if getattr(args, p)] or [
+    parts = [p for p in ("client_rss", "network", "simulation", "latency") if getattr(args, p)] or [
         "client_rss", "network", "simulation"]
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"bench_network: parts {parts}; {os.cpu_count()} cores; python {sys.version.split()[0]}; "
@@ -1017,7 +1102,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"argv": sys.argv, "cores": os.cpu_count()}
     t0 = time.time()
     for part in parts:
-        fn = {"network": bench_network, "simulation": bench_simulation, "client_rss": bench_client_rss}[part]
+        fn = {"network": bench_network, "simulation": bench_simulation, "client_rss": bench_client_rss,
+              "latency": bench_latency}[part]
         out[part] = fn(args)
     out["seconds"] = time.time() - t0
     path = args.workdir / "bench_network.json"

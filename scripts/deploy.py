@@ -114,6 +114,8 @@ FLOWER_BASE_ENV: dict[str, str] = {
 
 #: ``Deployment(superexec=...)``: Flower's ``flower-superexec`` or ``client/preforked_superexec.py``.
 SUPEREXECS = ("flower", "preforked")
+#: ``Deployment(supernode=...)``: Flower's ``flower-supernode`` or ``client/paced_supernode.py``.
+SUPERNODES = ("flower", "paced")
 
 #: Flower exit code of a SuperNode that could not connect/activate (notes §3, §4).
 FLWR_EXIT_SUPERNODE_NOT_ACTIVATED = 305
@@ -401,6 +403,11 @@ class Deployment:
         (``python -m client.preforked_superexec``, same arguments: each ClientApp is a fork of a forkserver
         that has imported Flower's ClientApp runtime once). ``"preforked"`` needs ``isolation="process"``:
         with ``"subprocess"`` the SuperNode itself starts ``flower-superexec`` from ``PATH``.
+    supernode:
+        ``"flower"`` (default: ``flower-supernode``, which waits 3 s after every pull that found no message and
+        checks for the ClientApp's reply every 0.5 s) or ``"paced"`` (``python -m client.paced_supernode``, same
+        arguments: after a message the idle waits back off from 0.1 s to 3 s, reply checks every 0.1 s; tune
+        with the ``PGVI_SUPERNODE_*`` variables in ``env``).
     node_config:
         Extra node-config entries for every node (e.g. ``{"torch-threads": 1}``).
     node_configs:
@@ -432,6 +439,7 @@ class Deployment:
         node_ports: Sequence[int] | None = None,
         isolation: str = "subprocess",
         superexec: str = "flower",
+        supernode: str = "flower",
         connection: str = DEFAULT_CONNECTION,
         node_config: Mapping[str, Any] | None = None,
         node_configs: Mapping[int, Mapping[str, Any]] | None = None,
@@ -453,6 +461,8 @@ class Deployment:
             raise ValueError(f"isolation must be 'subprocess' or 'process', got {isolation!r}")
         if superexec not in SUPEREXECS:
             raise ValueError(f"superexec must be one of {SUPEREXECS}, got {superexec!r}")
+        if supernode not in SUPERNODES:
+            raise ValueError(f"supernode must be one of {SUPERNODES}, got {supernode!r}")
         if superexec == "preforked" and isolation != "process":
             raise ValueError(
                 "superexec='preforked' needs isolation='process': with isolation='subprocess' each SuperNode "
@@ -482,6 +492,7 @@ class Deployment:
         ]
         self.isolation = isolation
         self.superexec = superexec
+        self.supernode = supernode
         self.connection = connection
         self.node_config = dict(node_config or {})
         self.node_configs: dict[int, dict[str, Any]] = {}
@@ -956,7 +967,7 @@ class Deployment:
         if self.warm_workers and (worker is None or not self._alive(worker)):
             self.start_worker(k)
         cmd = [
-            self._bin("flower-supernode"),
+            *self._supernode_cmd(),
             *self._tls_client_args(),
             "--superlink", f"{_connect_host(self.host)}:{self.fleet_port}",
             "--host", "127.0.0.1",
@@ -972,13 +983,14 @@ class Deployment:
             rt_cert, rt_key = self.node_runtime_cert(k)
             cmd += ["--ssl-ca-certfile", str(self.ca_cert),
                     "--ssl-certfile", str(rt_cert), "--ssl-keyfile", str(rt_key)]  # fmt: skip
-        info = self._spawn("supernode", k, cmd, self.run_dir / "homes" / self.node_name(k))
+        info = self._spawn("supernode", k, cmd, self.run_dir / "homes" / self.node_name(k),
+                           env=self._repo_on_pythonpath() if self.supernode == "paced" else None)
         if self.isolation == "process":
             args = [*self._tls_client_args(), "--runtime-api-address", f"127.0.0.1:{port}"]
             home = self.run_dir / "homes" / f"{self.node_name(k)}-superexec"
             if self.superexec == "preforked":
                 self._spawn("superexec-clientapp", k, [*self._preforked_superexec_cmd(), *args], home,
-                            env=self._preforked_superexec_env())
+                            env=self._repo_on_pythonpath())
             else:
                 self._spawn("superexec-clientapp", k, [self._bin("flower-superexec"), *args], home)
         return info
@@ -988,7 +1000,13 @@ class Deployment:
         ``client/preforked_superexec.py``, run by the deployment's Python."""
         return [self._bin("python"), "-m", "client.preforked_superexec"]
 
-    def _preforked_superexec_env(self) -> dict[str, str]:
+    def _supernode_cmd(self) -> list[str]:
+        """``flower-supernode``, or its replacement ``client/paced_supernode.py`` (same arguments follow)."""
+        if self.supernode == "paced":
+            return [self._bin("python"), "-m", "client.paced_supernode"]
+        return [self._bin("flower-supernode")]
+
+    def _repo_on_pythonpath(self) -> dict[str, str]:
         """``client`` importable from this repository whatever the working directory (the run dir) and
         whether or not the project is installed in the deployment's venv (the ClientApp itself is still
         imported from the FAB Flower installs, which ``load_app`` puts first on ``sys.path``)."""
@@ -1308,6 +1326,7 @@ class Deployment:
             "node_ports": self.node_ports,
             "isolation": self.isolation,
             "superexec": self.superexec,
+            "supernode": self.supernode,
             "connection": self.connection,
             "node_config": self.node_config,
             "node_configs": {str(k): v for k, v in self.node_configs.items()},
@@ -1348,6 +1367,7 @@ class Deployment:
             node_ports=st["node_ports"],
             isolation=st["isolation"],
             superexec=st.get("superexec", "flower"),
+            supernode=st.get("supernode", "flower"),
             connection=st["connection"],
             node_config=st["node_config"],
             node_configs={int(k): v for k, v in st.get("node_configs", {}).items()},
@@ -1411,6 +1431,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the nodes' SuperExec with process isolation: flower (default) = flower-superexec, a new "
                          "flwr-clientapp interpreter per message; preforked = client/preforked_superexec.py, each "
                          "ClientApp forked from a forkserver with Flower preloaded (implies --isolation process)")
+    up.add_argument("--supernode", choices=SUPERNODES, default="flower",
+                    help="flower (default) = flower-supernode (3 s between pulls that find no message); paced = "
+                         "client/paced_supernode.py, the same SuperNode pulling again 0.1 s after a reply and "
+                         "backing off to 3 s (PGVI_SUPERNODE_* variables tune it)")
     up.add_argument("--connection", default=DEFAULT_CONNECTION)
     up.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
                     help="extra node config for every node, e.g. torch-threads=1 (repeatable)")  # fmt: skip
@@ -1561,6 +1585,7 @@ def _up(args: argparse.Namespace) -> int:
         node_port_base=args.node_port_base,
         isolation=isolation,
         superexec=args.superexec,
+        supernode=args.supernode,
         connection=args.connection,
         node_config=_parse_kv(args.node_config),
         node_configs=_parse_per_node(args.node_config_for),
