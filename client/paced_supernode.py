@@ -20,7 +20,9 @@ section 1g the ten ClientApps of a round started over 3.2-3.6 s); every reply wa
 
 Settings come from the environment, validated before the node starts (a bad value exits with one message):
 :data:`ENV_PULL_MIN` (default 0.1 s), :data:`ENV_PULL_MAX` (3 s), :data:`ENV_FACTOR` (1.5),
-:data:`ENV_REPLY_POLL` (0.1 s).
+:data:`ENV_REPLY_POLL` (0.1 s).  The node also asks the SuperLink again for an object of a message that is
+still arriving after ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s) instead of Flower's 1 s
+(``client/object_pulls.py``).
 
 Installation into Flower: the loop looks up ``time`` and ``_pull_and_store_message`` in its module's globals at
 call time; :func:`install` replaces the first with a stand-in whose ``sleep`` maps Flower's two wait lengths
@@ -32,7 +34,6 @@ anything differs it logs one warning and :func:`main` runs plain ``flower_supern
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
 import logging
 import math
@@ -44,9 +45,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from client.flower_version import version_problem
+
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperNode's own lines
 
-SUPPORTED_FLWR = "1.39."
 MODULE = "flwr.supernode.start_client_internal"
 #: Flower 1.39's idle wait after an empty pull, and its wait for a reply or a reply's content (seconds).
 FLOWER_IDLE_WAIT = 3
@@ -144,12 +146,8 @@ class PacedTime:
 
 def incompatibility() -> str | None:
     """Why :func:`install` cannot pace this Flower's SuperNode, or None."""
-    try:
-        version = importlib.metadata.version("flwr")
-    except importlib.metadata.PackageNotFoundError:
-        return "flwr is not installed"
-    if not version.startswith(SUPPORTED_FLWR):
-        return f"flwr {version} is not {SUPPORTED_FLWR}x"
+    if (problem := version_problem()) is not None:
+        return problem
     try:
         mod = importlib.import_module(MODULE)
         loop_src = inspect.getsource(mod.start_client_internal)
@@ -206,15 +204,22 @@ def uninstall() -> None:
 
 
 def main() -> None:
-    """``flower-supernode`` (same arguments), with paced pulls when this Flower allows it."""
+    """``flower-supernode`` (same arguments), with paced pulls when this Flower allows it, and its first retry
+    of a message's object not yet at the SuperLink after ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s,
+    ``client/object_pulls.py``)."""
+    from client import object_pulls
+
     try:
         pacing = Pacing.from_env()
+        initial_retry = object_pulls.initial_retry_from_env()
     except ValueError as err:
         print(f"pgvi-supernode: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     if install(pacing):
         log.info("pgvi-supernode: idle pulls after %s s, x%s, up to %s s; reply checks every %s s",
                  pacing.pull_min, pacing.factor, pacing.pull_max, pacing.reply_poll)
+    if object_pulls.set_initial_retry(initial_retry):
+        log.info("pgvi-supernode: first retry of an object not yet at the SuperLink after %s s", initial_retry)
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     flower_supernode()

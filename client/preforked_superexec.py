@@ -41,7 +41,6 @@ if one is missing it logs one warning and :func:`main` runs plain ``flower_super
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import logging
 import multiprocessing
 import os
@@ -51,9 +50,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from client.flower_version import version_problem
+
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperExec's own lines
 
-SUPPORTED_FLWR = "1.39."
 #: The console script ``flwr-clientapp`` (flwr's entry_points.txt).
 CLIENTAPP_ENTRY = "flwr.supernode.cli:flwr_clientapp"
 #: Imported once in the forkserver.  ``flwr.supernode.cli`` already imports numpy, pydantic, grpc and httpx;
@@ -66,6 +66,7 @@ PRELOAD: tuple[str, ...] = (
     "pydantic",
     "grpc",
     "httpx",
+    "httpcore",  # httpx imports it (and h11) only when the first HTTP client is made: 18 ms in every ClientApp
     # what the child itself imports to unpickle its function (this module's Flower imports)
     "flwr.supercore.superexec.executor",
 )
@@ -171,12 +172,17 @@ def _fresh_main_module() -> None:
     sys.modules["__main__"] = types.ModuleType("__main__")
 
 
-def _child_main(entry: str, argv: Sequence[str], suppress_output: bool) -> None:
+def _child_main(entry: str, argv: Sequence[str], suppress_output: bool, initial_retry: float | None = None) -> None:
     """Runs in the forked child: become ``argv[0]`` with ``argv`` and call ``entry`` (``module:function``).
-    The exit handlers (``atexit``) run at the end, as at a fresh interpreter's exit; the forkserver ends its
-    children with ``os._exit``, which would skip them."""
+    ``initial_retry``: Flower's first retry of an object not there yet, in seconds (``client/object_pulls.py``;
+    None: Flower's).  The exit handlers (``atexit``) run at the end, as at a fresh interpreter's exit; the
+    forkserver ends its children with ``os._exit``, which would skip them."""
     import atexit
 
+    if initial_retry is not None:
+        from client import object_pulls
+
+        object_pulls.set_initial_retry(initial_retry)
     _detach_from_forkserver()
     _forget_own_package()
     _fresh_main_module()
@@ -278,11 +284,16 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
 
     ``entry`` is the function the child calls (``module:function``; tests pass their own), ``preload`` the
     forkserver's imports.  ``start=False`` defers starting the forkserver to the first CLIENT_APP launch.
+    ``initial_retry`` (seconds, None = Flower's 1 s) is set in every forked ClientApp by
+    ``client.object_pulls.set_initial_retry``: how soon it asks its SuperNode again for an object of the
+    message that the SuperNode is still receiving.
     """
 
-    def __init__(self, *, entry: str = CLIENTAPP_ENTRY, preload: Sequence[str] = PRELOAD, start: bool = True) -> None:
+    def __init__(self, *, entry: str = CLIENTAPP_ENTRY, preload: Sequence[str] = PRELOAD, start: bool = True,
+                 initial_retry: float | None = None) -> None:
         super().__init__()
         self.entry = entry
+        self.initial_retry = initial_retry
         self.preload = list(preload)
         self.children: list[multiprocessing.process.BaseProcess] = []
         self.forked = 0  # ClientApps started by a fork
@@ -334,7 +345,7 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
         try:
             proc = self._ctx.Process(
                 target=_child_main,
-                args=(self.entry, argv, bool(spec.suppress_output)),
+                args=(self.entry, argv, bool(spec.suppress_output), self.initial_retry),
                 name=f"flwr-clientapp-task-{spec.task_id}",
                 daemon=False,  # a daemonic process could not start processes of its own
             )
@@ -392,12 +403,8 @@ def incompatibility() -> str | None:
     """Why :func:`install` cannot patch this Flower, or None."""
     if _FLOWER_IMPORT_ERROR is not None:
         return f"cannot import Flower's executor API ({_FLOWER_IMPORT_ERROR})"
-    try:
-        version = importlib.metadata.version("flwr")
-    except importlib.metadata.PackageNotFoundError:
-        return "flwr is not installed"
-    if not version.startswith(SUPPORTED_FLWR):
-        return f"flwr {version} is not {SUPPORTED_FLWR}x"
+    if (problem := version_problem()) is not None:
+        return problem
     try:
         rs = importlib.import_module("flwr.supercore.superexec.run_superexec")
         cli = importlib.import_module("flwr.supercore.cli")
@@ -414,9 +421,10 @@ def incompatibility() -> str | None:
     return None
 
 
-def install() -> bool:
-    """Make Flower's ``run_superexec`` use a :class:`PreforkedExecutor` for the subprocess executor.
-    False (after one WARNING) if this Flower is not the one this was written for; nothing is changed then."""
+def install(initial_retry: float | None = None) -> bool:
+    """Make Flower's ``run_superexec`` use a :class:`PreforkedExecutor` (with ``initial_retry``) for the
+    subprocess executor.  False (after one WARNING) if this Flower is not the one this was written for;
+    nothing is changed then."""
     problem = incompatibility()
     if problem is not None:
         log.warning("pgvi-superexec: %s; running Flower's SuperExec unchanged (a new flwr-clientapp "
@@ -430,7 +438,7 @@ def install() -> bool:
     def get_executor(executor_type: Any, executor_config: Any = None, *, insecure: bool = False,
                      root_certificates_path: str | None = None) -> Any:
         if executor_type == ExecutorType.SUBPROCESS and executor_config is None:
-            return PreforkedExecutor()
+            return PreforkedExecutor(initial_retry=initial_retry)
         return original(executor_type, executor_config, insecure=insecure,
                         root_certificates_path=root_certificates_path)
 
@@ -441,8 +449,16 @@ def install() -> bool:
 
 
 def main() -> None:
-    """``flower-superexec`` (same arguments), with forked ClientApps when this Flower allows it."""
-    install()
+    """``flower-superexec`` (same arguments), with forked ClientApps when this Flower allows it; their first
+    retry of an object not there yet is ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s, ``client/object_pulls.py``)."""
+    from client import object_pulls
+
+    try:
+        initial_retry = object_pulls.initial_retry_from_env()
+    except ValueError as err:
+        print(f"pgvi-superexec: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    install(initial_retry)
     from flwr.supercore.cli import flower_superexec
 
     flower_superexec()

@@ -90,6 +90,10 @@ class RunConfig(BaseModel):
     )
     wait_for_clients_s: float = Field(120.0, ge=0)
     round_timeout_s: float = Field(600.0, gt=0)
+    object_pull_retry_s: float = Field(
+        0.05, ge=0.001, le=10.0,
+        description="ServerApp: first retry of a reply's object not yet at the SuperLink (Flower 1.39: 1 s)",
+    )
 
     # ---- local optimiser -----------------------------------------------------------------------
     local_epochs: int = Field(100, ge=1)

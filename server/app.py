@@ -10,6 +10,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from client import object_pulls
 from common.config import ConfigError, RunConfig, parse_run_config
 from common.evaluation import evaluate_posterior
 from common.problem import Problem, build_problem, load_full_data
@@ -78,5 +79,7 @@ def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) ->
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg, problem = prepare(dict(context.run_config))
+    # how soon this process's Grid asks the SuperLink again for a reply's arrays still being pushed
+    object_pulls.set_initial_retry(cfg.object_pull_retry_s)
     out_dir = Path(cfg.output_dir) / f"run-{grid.run.run_id}"
     run_strategy(grid, cfg, problem, out_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import subprocess
@@ -73,20 +74,26 @@ def test_pacing_from_env_reads_validates_and_names_the_variable():
         ps.Pacing.from_env({ps.ENV_PULL_MIN: "4"})
 
 
-def test_main_exits_with_one_message_on_a_bad_variable():
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        (ps.ENV_REPLY_POLL, "2", f"reply_poll must be in [0.01, 0.5], got 2.0 (from {ps.ENV_REPLY_POLL}='2')"),
+        ("PGVI_OBJECT_PULL_RETRY_S", "x", "PGVI_OBJECT_PULL_RETRY_S='x' is not a number"),
+    ],
+)
+def test_main_exits_with_one_message_on_a_bad_variable(var, value, message):
     repo = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, "-m", "client.paced_supernode", "--help"], cwd=repo, capture_output=True,
-                         text=True, timeout=120, env={**_clean_env(), ps.ENV_REPLY_POLL: "2"})  # fmt: skip
+                         text=True, timeout=120, env={**_clean_env(), var: value})  # fmt: skip
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines() == [
-        f"pgvi-supernode: reply_poll must be in [0.01, 0.5], got 2.0 (from {ps.ENV_REPLY_POLL}='2')"
-    ]
+    assert res.stderr.strip().splitlines() == [f"pgvi-supernode: {message}"]
 
 
 def _clean_env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if not k.startswith("PGVI_SUPERNODE_")}
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("PGVI_SUPERNODE_") and k != "PGVI_OBJECT_PULL_RETRY_S"}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- (b)
@@ -133,7 +140,7 @@ def test_install_paces_this_flower_and_uninstall_restores_it(restore_flower):
 def test_install_refuses_another_flower_version(monkeypatch, caplog, restore_flower):
     import time
 
-    monkeypatch.setattr(ps.importlib.metadata, "version", lambda name: "1.40.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.40.0")
     with caplog.at_level(logging.WARNING, logger="flwr"):
         assert ps.install(ps.Pacing()) is False
     assert MOD.time is time
@@ -265,6 +272,7 @@ def test_paced_supernode_deployment_matches_inprocess(tmp_path):
         text = Path(p.log_path).read_text()
         assert "pgvi-supernode: idle pulls after 0.1 s, x1.5, up to 3.0 s; reply checks every 0.1 s" in text
         assert "running Flower's SuperNode unchanged" not in text
+        assert "pgvi-supernode: first retry of an object not yet at the SuperLink after 0.05 s" in text
     (run_dir,) = [p for p in out.iterdir() if p.name == f"run-{res.run_id}"]
     post = dict(np.load(run_dir / "posterior.npz"))
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import json
 import logging
@@ -116,6 +117,8 @@ def record():
     info = {{"argv": sys.argv, "pid": os.getpid(), "ppid": os.getppid(),
             "own_package_loaded": sorted(n for n in sys.modules if n == "client" or n.startswith("client.")),
             "run_clientapp_preloaded": "flwr.supernode.runtime.run_clientapp" in sys.modules,
+            "initial_backoff": __import__("flwr.supercore.inflatable.inflatable_utils",
+                                          fromlist=["x"]).pull_objects.__kwdefaults__["initial_backoff"],
             "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2"),
             "main": [getattr(sys.modules["__main__"], "__file__", None), sys.modules["__main__"].__spec__,
                      "__mp_main__" in sys.modules]}}
@@ -170,7 +173,7 @@ def _exists(pid: int) -> bool:
 
 def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry, popen, no_forkserver_left):
     entry, out = probe_entry
-    ex = pf.PreforkedExecutor(entry=entry)
+    ex = pf.PreforkedExecutor(entry=entry, initial_retry=0.07)
     from multiprocessing import forkserver
 
     server = forkserver._forkserver._forkserver_pid
@@ -200,6 +203,7 @@ def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry
         assert got["ppid"] == server and got["pid"] != os.getpid()  # a fork of the forkserver, not of us
         assert got["own_package_loaded"] == []  # the FAB's `client` package will be the one imported
         assert got["run_clientapp_preloaded"]
+        assert got["initial_backoff"] == 0.07  # client/object_pulls.py, set in the child
         assert got["main"] == [None, None, False]  # a bare __main__: spawned processes re-import nothing
         assert got.get("spawned") == ([3] if "spawn" in spec.token else None)
         assert (out / f"{spec.token}.atexit").exists() == ("atexit" in spec.token)  # also after sys.exit(3)
@@ -261,6 +265,7 @@ def test_falls_back_to_subprocess_when_a_fork_fails(probe_entry, popen, caplog, 
     assert ex.launch(_spec(token="before", task_id=1)) == LaunchResult.accepted()
     _wait_reaped(ex)
     assert (out / "before.json").exists() and popen.calls == []
+    assert json.loads((out / "before.json").read_text())["initial_backoff"] == 1  # no initial_retry: Flower's
     # the forkserver's socket goes away (as if the server had been replaced): the fork request raises
     fs = forkserver._forkserver
     good = fs._forkserver_address
@@ -335,12 +340,22 @@ def test_install_refuses_another_flower_version(monkeypatch, caplog):
 
     original = rs.get_executor
     monkeypatch.setattr(rs, "get_executor", original)
-    monkeypatch.setattr(pf.importlib.metadata, "version", lambda name: "1.40.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.40.0")
     with caplog.at_level(logging.WARNING, logger="flwr"):
         assert pf.install() is False
     assert rs.get_executor is original
     (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "1.40.0" in rec.getMessage() and "unchanged" in rec.getMessage()
+
+
+def test_module_refuses_a_bad_object_pull_retry():
+    repo = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "client.preforked_superexec", "--help"], cwd=repo,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PGVI_OBJECT_PULL_RETRY_S": "0"})  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "pgvi-superexec: PGVI_OBJECT_PULL_RETRY_S must be in [0.001, 10.0] s, got 0.0"]
 
 
 def test_module_runs_as_flower_superexec():
