@@ -1,6 +1,6 @@
 """Speed and memory benchmark of the networked PGVI system (Flower 1.39), in one run.
 
-Three parts, each selectable by a flag (no flag = all three):
+Three parts, each selectable by a flag (no flag = all three), and a fourth on request:
 
 ``--network``  One deployment of real OS processes on loopback (``scripts.deploy.Deployment``: SuperLink + N
     SuperNodes, TLS, default ``subprocess`` isolation, node config ``torch-threads=1``), one PGVI run of the
@@ -43,6 +43,12 @@ Three parts, each selectable by a flag (no flag = all three):
     the peak is ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), for (a) this venv and (b) a
     client-only venv under ``/tmp`` (``pip install torch==2.13.0`` = the CPU wheel on local disk, then
     ``pip install <repo>`` without extras), where torchvision and ray must not be importable.
+
+``--latency``  (not part of the default run) Rounds of the conjugate Gaussian-location model (3 SuperNodes,
+    local updates of milliseconds, TLS + auth, forked ClientApps, warm workers), 15 rounds per deployment, in
+    alternating deployments of three variants: Flower's SuperNode with Flower's 1-s first retry of an object
+    still arriving, Flower's SuperNode with a 0.05-s retry, and ``client/paced_supernode.py`` with a 0.05-s retry.
+    Per variant: median / mean / p90 / max round wall time over rounds 2.. and the SuperNodes' CPU per round.
 
 Run from the repository root::
 
@@ -544,6 +550,8 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
         "num-server-rounds": args.rounds, "eval-samples": args.eval_samples,
         "round-timeout-s": args.round_timeout, "wait-for-clients-s": args.round_timeout, "output-dir": str(out_dir),
     }  # fmt: skip
+    if args.object_pull_retry is not None:  # the ServerApp's; the nodes' comes from the environment below
+        run_config["object-pull-retry-s"] = args.object_pull_retry
     print(f"\n=== part 1: {args.clients}-client BNN rounds over TLS on loopback ===", flush=True)
     print(f"run config overrides: {json.dumps(run_config)}", flush=True)
     up0 = uptime_line()
@@ -561,7 +569,9 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
                 cmd = [*cmd[: i + 1], ":flwr-in-memory:", *cmd[i + 2:]]
             return super()._spawn(role, index, cmd, home, **kw)
 
-    extra = {} if args.poll_interval is None else {"superexec_poll_interval": args.poll_interval}
+    extra: dict[str, Any] = {} if args.poll_interval is None else {"superexec_poll_interval": args.poll_interval}
+    if args.object_pull_retry is not None:
+        extra["env"] = {"PGVI_OBJECT_PULL_RETRY_S": str(args.object_pull_retry)}
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
     result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode})
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
@@ -1086,6 +1096,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--supernode", choices=("flower", "paced"), default="flower",
                     help="part 1: the SuperNodes (Deployment(supernode=...)); paced = client/paced_supernode.py, "
                          "pulling again 0.1 s after a reply instead of 3 s")
+    ap.add_argument("--object-pull-retry", type=float, default=None,
+                    help="part 1: first retry (s) of a message object still arriving, in the ServerApp (run config "
+                         "object-pull-retry-s) and the nodes (PGVI_OBJECT_PULL_RETRY_S); default: the project's 0.05 "
+                         "s; 1.0 = Flower's")
     ap.add_argument("--sim-clients", type=int, default=1000)
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)
