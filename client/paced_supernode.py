@@ -4,8 +4,8 @@ Flower 1.39's SuperNode (``flwr.supernode.start_client_internal``) runs one loop
 SuperLink; if there is none, ``time.sleep(3)`` and pull again; if there is one, wait for the ClientApp's reply
 (checking its own state every ``time.sleep(0.5)``), push it, pull again.  In a synchronous round every node
 answers, finds nothing (the server is still aggregating) and sleeps 3 s, so the next round's message waits on
-each node for a uniformly random 0-3 s, and the round for the slowest of them (in ``docs/bench_network.md``
-section 1g the ten ClientApps of a round started over 3.2-3.6 s); every reply waits for up to 0.5 s more.
+each node for a uniformly random 0-3 s, and the round for the slowest of them; every reply waits for up to
+0.5 s more (``docs/bench_network.md`` section 4).
 
 ``python -m client.paced_supernode <flower-supernode arguments>`` runs Flower's own ``flower_supernode()``
 (same arguments, same logs, same protocol) with two waits changed:
@@ -28,7 +28,8 @@ Installation into Flower: the loop looks up ``time`` and ``_pull_and_store_messa
 call time; :func:`install` replaces the first with a stand-in whose ``sleep`` maps Flower's two wait lengths
 (3 and 0.5 s; any other length is slept as asked) and wraps the second to restart the back-off when a message
 arrives.  It checks the Flower version (1.39.x) and that the loop's source still holds those two waits; if
-anything differs it logs one warning and :func:`main` runs plain ``flower_supernode()``.
+anything differs it logs one warning and :func:`main` runs ``flower_supernode()`` unpaced (the object retry of
+``client/object_pulls.py`` still applies if that module's own checks pass).
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def incompatibility() -> str | None:
         mod = importlib.import_module(MODULE)
         loop_src = inspect.getsource(mod.start_client_internal)
         push_src = inspect.getsource(mod._push_messages)
+        module_src = inspect.getsource(mod)
     except Exception as err:  # noqa: BLE001
         return f"{type(err).__name__}: {err}"
     if getattr(mod, "time", None) is not _time and not isinstance(getattr(mod, "time", None), PacedTime):
@@ -162,6 +164,12 @@ def incompatibility() -> str | None:
         return f"the SuperNode loop no longer has one time.sleep({FLOWER_IDLE_WAIT}) after _pull_and_store_message"
     if f"time.sleep({FLOWER_REPLY_WAIT})" not in push_src:
         return f"_push_messages no longer waits with time.sleep({FLOWER_REPLY_WAIT})"
+    # the stand-in maps every sleep of these two lengths in the module: there must be no others (Flower 1.39:
+    # the idle wait, and the reply and reply-content waits of _push_messages)
+    counts = (module_src.count(f"time.sleep({FLOWER_IDLE_WAIT})"), module_src.count(f"time.sleep({FLOWER_REPLY_WAIT})"))
+    if counts != (1, 2):
+        return (f"{MODULE} has {counts[0]} time.sleep({FLOWER_IDLE_WAIT}) and {counts[1]} "
+                f"time.sleep({FLOWER_REPLY_WAIT}), not 1 and 2")
     return None
 
 

@@ -286,13 +286,18 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
     forkserver's imports.  ``start=False`` defers starting the forkserver to the first CLIENT_APP launch.
     ``initial_retry`` (seconds, None = Flower's 1 s) is set in every forked ClientApp by
     ``client.object_pulls.set_initial_retry``: how soon it asks its SuperNode again for an object of the
-    message that the SuperNode is still receiving.
+    message that the SuperNode is still receiving.  A ClientApp started by the subprocess fallback keeps
+    Flower's 1 s.
     """
 
     def __init__(self, *, entry: str = CLIENTAPP_ENTRY, preload: Sequence[str] = PRELOAD, start: bool = True,
                  initial_retry: float | None = None) -> None:
         super().__init__()
         self.entry = entry
+        if initial_retry is not None:  # a bad value would raise in every child before its ClientApp runs
+            from client.object_pulls import check_initial_retry
+
+            initial_retry = check_initial_retry(initial_retry, "initial_retry")
         self.initial_retry = initial_retry
         self.preload = list(preload)
         self.children: list[multiprocessing.process.BaseProcess] = []

@@ -99,10 +99,10 @@ PAYLOAD_BYTES = 2 * BNN_PARAMS * 4  # eta1 + eta2, float32
 
 
 def _boot_time() -> float:
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("btime "):
-            return float(line.split()[1])
-    raise RuntimeError("no btime in /proc/stat")
+    """Wall-clock time of boot, to sub-millisecond precision (``/proc/stat``'s ``btime`` is whole seconds, which put
+    process start times up to a second early and so, with ClientApps starting within 0.1-0.3 s of a round's row,
+    in the previous round)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 BOOT_TIME = _boot_time()
@@ -1098,8 +1098,9 @@ def main(argv: list[str] | None = None) -> int:
                          "pulling again 0.1 s after a reply instead of 3 s")
     ap.add_argument("--object-pull-retry", type=float, default=None,
                     help="part 1: first retry (s) of a message object still arriving, in the ServerApp (run config "
-                         "object-pull-retry-s) and the nodes (PGVI_OBJECT_PULL_RETRY_S); default: the project's 0.05 "
-                         "s; 1.0 = Flower's")
+                         "object-pull-retry-s) and in the nodes' paced SuperNode / forked ClientApps (PGVI_OBJECT_PULL_RETRY_S; "
+                         "Flower's own SuperNode and SuperExec keep 1 s); default: the project's 0.05 s; 1.0 = "
+                         "Flower's")
     ap.add_argument("--sim-clients", type=int, default=1000)
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)
@@ -1111,6 +1112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-cpu-spec", default="torch==2.13.0")
     ap.add_argument("--run-timeout", type=float, default=4 * 3600.0)
     args = ap.parse_args(argv)
+    if args.latency_rounds < 2:
+        ap.error("--latency-rounds must be at least 2 (round 1 is left out of the statistics)")
+    if args.object_pull_retry is not None:
+        from client.object_pulls import check_initial_retry
+
+        try:
+            check_initial_retry(args.object_pull_retry, "--object-pull-retry")
+        except ValueError as err:
+            ap.error(str(err))
     if args.superexec == "preforked" and args.isolation == "subprocess":
         ap.error("--superexec preforked needs --isolation process")
     if str(args.client_venv.resolve()).startswith(str(ROOT)):

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from strategies.pgvi import PGVIStrategy
 
 CHECKPOINT_FILE = "checkpoint.npz"
-RESUME_FREE_KEYS = {"resume", "output-dir", "num-server-rounds", "round-timeout-s", "wait-for-clients-s"}
+RESUME_FREE_KEYS = {
+    "resume", "output-dir", "num-server-rounds", "round-timeout-s", "wait-for-clients-s", "object-pull-retry-s",
+}
 _FORMAT = 1
 
 

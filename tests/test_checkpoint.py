@@ -136,5 +136,5 @@ def test_resume_refuses_a_different_run_config(tmp_path):
     with pytest.raises(CheckpointMismatch, match="prior-variance"):
         load_checkpoint(PGVIStrategy(build_problem(other)), tmp_path)
     # keys that may change on resume do not matter
-    more = parse_run_config({**raw, "num-server-rounds": 5, "round-timeout-s": 9})
+    more = parse_run_config({**raw, "num-server-rounds": 5, "round-timeout-s": 9, "object-pull-retry-s": 1.0})
     load_checkpoint(PGVIStrategy(build_problem(more)), tmp_path)

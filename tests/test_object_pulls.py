@@ -21,11 +21,11 @@ MOD = importlib.import_module(op.MODULE)
 
 @pytest.fixture
 def restore_flower():
-    saved = {name: dict(getattr(MOD, name).__kwdefaults__) for name in op.FUNCTIONS}
+    saved = {getattr(MOD, name): dict(getattr(MOD, name).__kwdefaults__) for name in op.FUNCTIONS}
     yield
-    for name, kw in saved.items():
-        getattr(MOD, name).__kwdefaults__.clear()
-        getattr(MOD, name).__kwdefaults__.update(kw)
+    for fn, kw in saved.items():  # the functions of setup time (a test may have replaced the module attribute)
+        fn.__kwdefaults__.clear()
+        fn.__kwdefaults__.update(kw)
 
 
 # --------------------------------------------------------------------------------------------- (a)

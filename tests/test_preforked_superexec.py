@@ -455,3 +455,22 @@ def test_preforked_superexec_deployment_matches_inprocess(tmp_path):
         np.testing.assert_allclose(post[k], v, rtol=0, atol=1e-6 * max(1.0, float(np.abs(v).max())))
     expected = expected_posterior(cfg, summary["ledger-versions"])
     assert max_natural_diff(expected.from_numpy(post), expected) < 1e-6
+
+
+def test_preforked_executor_refuses_a_bad_initial_retry():
+    with pytest.raises(ValueError, match="initial_retry must be in"):
+        pf.PreforkedExecutor(start=False, initial_retry=0)
+
+
+def test_bench_network_places_process_starts_on_the_wall_clock():
+    """bench_network turns /proc/<pid>/stat start ticks into wall time; whole-second btime put them up to 1 s early."""
+    from scripts.bench_network import BOOT_TIME, CLK_TCK
+
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ticks = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert abs(BOOT_TIME + ticks / CLK_TCK - t0) < 0.1
