@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 from collections.abc import Mapping
 
 from client.flower_version import version_problem
@@ -59,8 +60,6 @@ def check_initial_retry(seconds: float, name: str = "initial retry") -> float:
 
 def initial_retry_from_env(env: Mapping[str, str] | None = None) -> float:
     """:data:`ENV_INITIAL_RETRY` (unset or empty: :data:`DEFAULT_INITIAL_RETRY_S`); ValueError names it."""
-    import os
-
     raw = (os.environ if env is None else env).get(ENV_INITIAL_RETRY, "").strip()
     if not raw:
         return DEFAULT_INITIAL_RETRY_S

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from client import object_pulls
 from client.flower_version import version_problem
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperNode's own lines
@@ -215,8 +216,6 @@ def main() -> None:
     """``flower-supernode`` (same arguments), with paced pulls when this Flower allows it, and its first retry
     of a message's object not yet at the SuperLink after ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s,
     ``client/object_pulls.py``)."""
-    from client import object_pulls
-
     try:
         pacing = Pacing.from_env()
         initial_retry = object_pulls.initial_retry_from_env()

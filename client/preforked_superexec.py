@@ -50,6 +50,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from client import object_pulls
 from client.flower_version import version_problem
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperExec's own lines
@@ -180,8 +181,6 @@ def _child_main(entry: str, argv: Sequence[str], suppress_output: bool, initial_
     import atexit
 
     if initial_retry is not None:
-        from client import object_pulls
-
         object_pulls.set_initial_retry(initial_retry)
     _detach_from_forkserver()
     _forget_own_package()
@@ -295,9 +294,7 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
         super().__init__()
         self.entry = entry
         if initial_retry is not None:  # a bad value would raise in every child before its ClientApp runs
-            from client.object_pulls import check_initial_retry
-
-            initial_retry = check_initial_retry(initial_retry, "initial_retry")
+            initial_retry = object_pulls.check_initial_retry(initial_retry, "initial_retry")
         self.initial_retry = initial_retry
         self.preload = list(preload)
         self.children: list[multiprocessing.process.BaseProcess] = []
@@ -456,8 +453,6 @@ def install(initial_retry: float | None = None) -> bool:
 def main() -> None:
     """``flower-superexec`` (same arguments), with forked ClientApps when this Flower allows it; their first
     retry of an object not there yet is ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s, ``client/object_pulls.py``)."""
-    from client import object_pulls
-
     try:
         initial_retry = object_pulls.initial_retry_from_env()
     except ValueError as err:

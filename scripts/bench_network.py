@@ -88,6 +88,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from client.object_pulls import ENV_INITIAL_RETRY, check_initial_retry  # noqa: E402 (stdlib only; after the path)
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MB = 1024.0 * 1024.0
@@ -571,7 +573,7 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
 
     extra: dict[str, Any] = {} if args.poll_interval is None else {"superexec_poll_interval": args.poll_interval}
     if args.object_pull_retry is not None:
-        extra["env"] = {"PGVI_OBJECT_PULL_RETRY_S": str(args.object_pull_retry)}
+        extra["env"] = {ENV_INITIAL_RETRY: str(args.object_pull_retry)}
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
     result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode})
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
@@ -757,7 +759,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
             out_dir.mkdir(parents=True)
             with Deployment(n, run_dir=wd / tag / "deploy", isolation="process", superexec="preforked",
                             warm_workers=True, supernode=sn, node_config={"torch-threads": 1},
-                            env={"PGVI_OBJECT_PULL_RETRY_S": str(retry)}, **free_port_kwargs(n)) as dep:  # fmt: skip
+                            env={ENV_INITIAL_RETRY: str(retry)}, **free_port_kwargs(n)) as dep:  # fmt: skip
                 dep.start()
                 dep.wait_online(timeout=600)
                 sampler = ProcTreeSampler("PGVI_DEPLOY_ID", dep.token, 0.25, exclude={os.getpid()})
@@ -771,9 +773,9 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
             leftovers = dep.leftover_processes()
             t = [t for t, _ in watcher.rows]
             walls = [b - a for a, b in zip(t, t[1:])]
-            span = (t[-1], t[1]) if len(t) > 2 else (float("nan"), float("nan"))
-            cpu = sampler.cpu_by_role(span[1], span[0])  # rounds 2.. (round 1 includes the first forks)
-            secs = span[0] - span[1]
+            t_from, t_to = (t[1], t[-1]) if len(t) > 2 else (float("nan"), float("nan"))
+            cpu = sampler.cpu_by_role(t_from, t_to)  # rounds 2.. (round 1 includes the first forks)
+            secs = t_to - t_from
             run = {"supernode": sn, "object-pull-retry-s": retry, "repeat": rep, "status": res.status, "ok": res.ok, "round-walls-s": walls,
                    "leftover-processes": leftovers, "cpu-s-by-role-rounds-2-on": cpu, "seconds-rounds-2-on": secs}
             result["runs"].append(run)
@@ -1115,8 +1117,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.latency_rounds < 2:
         ap.error("--latency-rounds must be at least 2 (round 1 is left out of the statistics)")
     if args.object_pull_retry is not None:
-        from client.object_pulls import check_initial_retry
-
         try:
             check_initial_retry(args.object_pull_retry, "--object-pull-retry")
         except ValueError as err:
