@@ -36,7 +36,8 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -112,6 +113,15 @@ class Reply:
     reply_bytes: int
 
 
+#: The phases of a round whose wall time the server records (row key ``server-seconds-<phase>``):
+#: ``push`` sending train messages to the SuperLink; ``wait`` from the push until the replies are in (the
+#: clients' work, the transport of their replies, pulling them); ``apply`` decoding, checking and applying the
+#: Deltas (with the checkpoint written before any client learns of them); ``evaluate`` the server-side test
+#: evaluation; ``client-evaluate`` the evaluate messages' round trip.  ``round-seconds`` is the whole round, from
+#: the start of its first phase (for the asynchronous schedule: the close of the previous round) to its record.
+SERVER_PHASES = ("push", "wait", "apply", "evaluate", "client-evaluate")
+
+
 @dataclass
 class RoundStats:
     sent: int = 0
@@ -125,6 +135,19 @@ class RoundStats:
     client_seconds: list[float] = field(default_factory=list)
     client_epochs: list[float] = field(default_factory=list)
     num_examples: float = 0.0
+    #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` block to ``phase`` (one of :data:`SERVER_PHASES`)."""
+        assert phase in SERVER_PHASES, phase
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - t0
 
     def as_metrics(self) -> dict[str, float]:
         out = {
@@ -146,6 +169,9 @@ class RoundStats:
         if self.client_epochs:  # local optimiser epochs actually run (early stopping), 0 for closed forms
             out["client-epochs-max"] = max(self.client_epochs)
             out["client-epochs-mean"] = sum(self.client_epochs) / len(self.client_epochs)
+        for phase in SERVER_PHASES:
+            if phase in self.phase_seconds:
+                out[f"server-seconds-{phase}"] = self.phase_seconds[phase]
         return {k: float(v) for k, v in out.items()}
 
 
@@ -368,10 +394,10 @@ class PGVIStrategy(Strategy):
     def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
         msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
         stats.sent += len(msgs)
-        replies = self._send_and_receive(grid, msgs, timeout)
+        replies = self._send_and_receive(grid, msgs, timeout, stats)
         self._count_timeouts(rnd, len(msgs), replies, stats)
-        decoded = self._decode_replies(rnd, replies, stats)
-        self._apply_batch(rnd, decoded, stats)
+        with stats.timed("apply"):
+            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
 
     def _round_sequential(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
         nodes = self._sample_nodes(grid)
@@ -381,10 +407,11 @@ class PGVIStrategy(Strategy):
             if node is None or cid in self.done_in_round:
                 continue
             stats.sent += 1
-            replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout)
+            replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout, stats)
             self._count_timeouts(rnd, 1, replies, stats)
             self.done_in_round.add(cid)
-            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
+            with stats.timed("apply"):
+                self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
 
     def _sequential_order(self, by_client: dict[str, int]) -> list[str]:
         """``sequential-order``'s clients first, in that order, then every other client in sorted order: a client
@@ -431,8 +458,9 @@ class PGVIStrategy(Strategy):
             free = [n for n in self._sample_nodes(grid, fraction=1.0) if n not in busy]
             if free:
                 msgs = [self._train_message(n, rnd) for n in free]
-                mids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)),
-                                     min(deadline, time.time() + timeout))
+                with stats.timed("push"):
+                    mids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)),
+                                         min(deadline, time.time() + timeout))
                 if mids is None:
                     stats.failed += len(msgs)
                     resolved += len(msgs)
@@ -446,8 +474,9 @@ class PGVIStrategy(Strategy):
                     stats.sent += len(msgs)
             replies = []
             if inflight:
-                replies = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(inflight))),
-                                        min(deadline, time.time() + timeout)) or []
+                with stats.timed("wait"):
+                    replies = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(inflight))),
+                                            min(deadline, time.time() + timeout)) or []
                 self._attribute(replies, {mid: v[0] for mid, v in inflight.items()})
             for reply in replies:
                 node, _, sent_version = inflight.pop(reply.metadata.reply_to_message_id,
@@ -467,7 +496,8 @@ class PGVIStrategy(Strategy):
                     if staleness > self.cfg.staleness_bound():
                         self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.staleness_bound()})", stats, bad=False)
                         continue
-                    self._apply_batch(rnd, [d], stats)
+                    with stats.timed("apply"):
+                        self._apply_batch(rnd, [d], stats)
                 rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
             now = time.time()
             for mid, (node, sent, _) in list(inflight.items()):
@@ -479,7 +509,8 @@ class PGVIStrategy(Strategy):
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)
             if not replies:
-                time.sleep(self.poll_interval)
+                with stats.timed("wait"):
+                    time.sleep(self.poll_interval)
         # let in-flight replies arrive so that no client is left with an unresolved pending update
         if inflight:
             late = self._collect(grid, {mid: v[0] for mid, v in inflight.items()}, min(timeout, 5.0))
@@ -680,18 +711,23 @@ class PGVIStrategy(Strategy):
                 time.sleep(self.poll_interval)
         return out
 
-    def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float) -> list[Message]:
+    def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float,
+                          stats: RoundStats | None = None) -> list[Message]:
         """Like ``Grid.send_and_receive`` but polling every ``poll_interval`` s (the HTTP grid polls every 3 s).
 
         Pushing and pulling share the ``timeout``; messages that could not be pushed in time get no reply.
+        With ``stats``, the push and the wait for the replies are timed as its ``push`` and ``wait`` phases.
         """
         if not msgs:
             return []
+        stats = stats if stats is not None else RoundStats()
         end = time.time() + timeout
-        ids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)), end)
+        with stats.timed("push"):
+            ids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)), end)
         if ids is None:
             return []
-        return self._collect(grid, {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs)}, end - time.time())
+        with stats.timed("wait"):
+            return self._collect(grid, {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs)}, end - time.time())
 
     # =============================================================================================
     # validating and applying replies
@@ -842,19 +878,25 @@ class PGVIStrategy(Strategy):
     # =============================================================================================
     # evaluation and records
     def _record_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool) -> None:
-        row: dict[str, float] = {"round": float(rnd), "version": float(self.state.version)}
-        row.update(stats.as_metrics())
+        evaluated: dict[str, float] = {}
         if self.server_evaluate is not None:
             assert self.state.posterior is not None
-            server_metrics = self.server_evaluate(self.state.posterior)
+            with stats.timed("evaluate"):
+                server_metrics = self.server_evaluate(self.state.posterior)
             result.evaluate_metrics_serverapp[rnd] = MetricRecord(server_metrics)
-            row.update({f"test-{k}": v for k, v in server_metrics.items()})
+            evaluated.update({f"test-{k}": v for k, v in server_metrics.items()})
         if do_client_eval and self.cfg.evaluate_clients:
-            msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
-            agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
+            with stats.timed("client-evaluate"):
+                msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
+                agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
             if agg is not None:
                 result.evaluate_metrics_clientapp[rnd] = agg
-                row.update({k: float(v) for k, v in agg.items()})
+                evaluated.update({k: float(v) for k, v in agg.items()})
+        row: dict[str, float] = {"round": float(rnd), "version": float(self.state.version)}
+        row.update(stats.as_metrics())
+        row.update(evaluated)
+        row["round-seconds"] = time.perf_counter() - stats.started
+        row["recorded-at"] = time.time()  # Unix time
         self.history.append(row)
         if self.on_round_end is not None:
             self.on_round_end(rnd, row)
