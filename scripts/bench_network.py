@@ -8,10 +8,11 @@ Three parts, each selectable by a flag (no flag = all three), and a fourth on re
     ``evaluate-clients=false``).  Per round it splits the wall time into local compute and the rest:
 
     * round wall time: the ServerApp appends a row to ``metrics.jsonl`` when a round ends (round 0 is written
-      after the prior is evaluated, just before round 1 starts).  The records carry no timestamps, so a
-      thread of this script polls the file every 0.05 s and stamps each new row with the time it appeared;
-      round ``r`` lasts ``t(row r) - t(row r-1)``.  The stamp is the file's mtime when one row was added since
-      the last poll (the write time itself), else the poll time.
+      after the prior is evaluated, just before round 1 starts); round ``r`` lasts ``t(row r) - t(row r-1)``.
+      ``t`` is the row's ``recorded-at`` (the ServerApp's clock when it made the row).  A thread of this script
+      polls the file every 0.05 s; for records without ``recorded-at`` (older versions) it stamps each new row
+      with the file's mtime when one row was added since the last poll (the write time itself), else the poll
+      time.  The rows' ``server-seconds-*`` (the ServerApp's wall time by phase) are printed too.
     * local compute: ``client-seconds-max`` of the row (the slowest client's ``client_step`` wall time);
       ``overhead = wall - client-seconds-max``.
     * where the overhead goes, from a sampler that reads ``/proc`` every 0.25 s for every process carrying the
@@ -445,8 +446,12 @@ class RowWatcher:
             return
         lines = [ln for ln in chunk[: end + 1].splitlines() if ln.strip()]
         for i, line in enumerate(lines):
+            row = json.loads(line)
+            if "recorded-at" in row:  # the ServerApp's own stamp (same machine, same clock)
+                self.rows.append((float(row["recorded-at"]), row))
+                continue
             # the file's mtime is the write time of its last row (this thread may see it late under load)
-            self.rows.append((min(t, mtime) if i == len(lines) - 1 else t, json.loads(line)))
+            self.rows.append((min(t, mtime) if i == len(lines) - 1 else t, row))
         self._consumed += end + 1
 
     def _loop(self) -> None:
@@ -575,15 +580,17 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     if args.object_pull_retry is not None:
         extra["env"] = {ENV_INITIAL_RETRY: str(args.object_pull_retry)}
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
-    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode})
+    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode,
+                   "task-wakeup": args.task_wakeup})
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
                          warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
-                         supernode=args.supernode, **extra) as dep:
+                         supernode=args.supernode, task_wakeup=args.task_wakeup, **extra) as dep:
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup
         print(f"{args.clients} SuperNodes online after {result['setup-seconds']:.1f}s (TLS on, isolation "
-              f"{dep.isolation}, SuperExec {dep.superexec}, SuperNode {dep.supernode}, "
+              f"{dep.isolation}, SuperExec {dep.superexec}, SuperNode {dep.supernode}, task wake-up "
+              f"{'ON' if dep.task_wakeup_socket(0) is not None else 'off'}, "
               f"warm compute workers {'ON' if dep.warm_workers else 'off'}, "
               f"node config torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL="
               f"{dep.superexec_poll_interval}, SuperLink --database "
@@ -667,6 +674,8 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
             "clientapp-rss-peak-mb": max((p.rss_peak for p in apps), default=0) / MB,
             "cpu-s-by-role": cpu, "cpu-s-ours": ours, "cpu-s-machine": machine,
             "cpu-s-other-work": machine - ours, "test-accuracy": r.get("test-accuracy", float("nan")),
+            "server-seconds": {k.removeprefix("server-seconds-"): v for k, v in r.items()
+                               if k.startswith("server-seconds-")},
         })  # fmt: skip
     result["rounds"] = per_round
     result["row-times"] = {r: t - t_row[0] for r, t in t_row.items()}
@@ -685,6 +694,12 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
           100 * p["overhead-frac"], p["dispatch-s"], p["in-app-non-step-mean-s"], p["tail-s"],
           p["clientapp-life-max-s"]] for p in per_round],
     ))  # fmt: skip
+    phases = [k for k in ("push", "wait", "apply", "evaluate") if any(k in p["server-seconds"] for p in per_round)]
+    if phases:
+        print("\nthe ServerApp's wall time by phase (seconds; the rows' server-seconds-*; wait = from the push until "
+              "the last reply is in):")
+        print(table(["round", *phases], [[p["round"], *[p["server-seconds"].get(k, float("nan")) for k in phases]]
+                                        for p in per_round]))
     print("\nbytes per update (payload = 2 x 159,010 x 4 = 1,272,080 B):")
     print(table(
         ["round", "sent", "applied", "reply B/update", "x payload", "TCP node->link B/update", "x payload",
@@ -1098,6 +1113,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--supernode", choices=("flower", "paced"), default="flower",
                     help="part 1: the SuperNodes (Deployment(supernode=...)); paced = client/paced_supernode.py, "
                          "pulling again 0.1 s after a reply instead of 3 s")
+    ap.add_argument("--no-task-wakeup", dest="task_wakeup", action="store_false",
+                    help="part 1, with --supernode paced --superexec preforked: no wake-up of the SuperExecs by their "
+                         "SuperNodes (Deployment(task_wakeup=False)); they find tasks at their polls only")
     ap.add_argument("--object-pull-retry", type=float, default=None,
                     help="part 1: first retry (s) of a message object still arriving, in the ServerApp (run config "
                          "object-pull-retry-s) and in the nodes' paced SuperNode / forked ClientApps (PGVI_OBJECT_PULL_RETRY_S; "
