@@ -1,7 +1,7 @@
 """The Flower release that this project's hooks into Flower's own processes were written for.
 
-``client/preforked_superexec.py``, ``client/paced_supernode.py``, ``client/object_pulls.py`` and
-``client/task_wakeup.py`` change how Flower's SuperExec, SuperNode and object pulls behave inside those processes.  Each checks :func:`version_problem`
+``client/preforked_superexec.py``, ``client/paced_supernode.py`` and ``client/object_pulls.py`` change how
+Flower's SuperExec, SuperNode and object pulls behave inside those processes.  Each checks :func:`version_problem`
 first and leaves Flower unchanged (with one warning) under any other release.
 """
 

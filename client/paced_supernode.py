@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from client import object_pulls, task_wakeup
+from client import object_pulls
 from client.flower_version import version_problem
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperNode's own lines
@@ -113,7 +113,6 @@ class Backoff:
 
     def __init__(self, pacing: Pacing) -> None:
         self.pacing = pacing
-        self.wakeup: str | os.PathLike | None = None  # the SuperExec's wake-up socket (see install)
         self._next = pacing.pull_min
         self._lock = threading.Lock()
 
@@ -175,10 +174,9 @@ def incompatibility() -> str | None:
     return None
 
 
-def install(pacing: Pacing, wakeup: str | os.PathLike | None = None) -> bool:
-    """Pace Flower's SuperNode loop in this process; with ``wakeup`` (a socket path), also send the node's
-    SuperExec a wake-up datagram each time a message has been stored (``client/task_wakeup.py``).  False
-    (after one WARNING) if this Flower is not the one this was written for; nothing is changed then."""
+def install(pacing: Pacing) -> bool:
+    """Pace Flower's SuperNode loop in this process.  False (after one WARNING) if this Flower is not the one
+    this was written for; nothing is changed then."""
     problem = incompatibility()
     if problem is not None:
         log.warning("pgvi-supernode: %s; running Flower's SuperNode unchanged (idle pulls every %s s)",
@@ -187,19 +185,15 @@ def install(pacing: Pacing, wakeup: str | os.PathLike | None = None) -> bool:
     mod = importlib.import_module(MODULE)
     if isinstance(mod.time, PacedTime):
         mod.time.backoff.pacing = pacing  # re-install: new settings, same wrappers
-        mod.time.backoff.wakeup = wakeup
         mod.time.backoff.reset()
         return True
     backoff = Backoff(pacing)
-    backoff.wakeup = wakeup
     pull = mod._pull_and_store_message
 
     def paced_pull(*args: Any, **kwargs: Any) -> Any:
         run_id = pull(*args, **kwargs)
         if run_id is not None:
             backoff.reset()
-            if backoff.wakeup is not None:  # the message is stored and its task created
-                task_wakeup.notify(backoff.wakeup)
         return run_id
 
     paced_pull._pgvi_original = pull  # type: ignore[attr-defined]
@@ -225,14 +219,12 @@ def main() -> None:
     try:
         pacing = Pacing.from_env()
         initial_retry = object_pulls.initial_retry_from_env()
-        wakeup = task_wakeup.socket_path_from_env()
     except ValueError as err:
         print(f"pgvi-supernode: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    if install(pacing, wakeup):
-        log.info("pgvi-supernode: idle pulls after %s s, x%s, up to %s s; reply checks every %s s%s",
-                 pacing.pull_min, pacing.factor, pacing.pull_max, pacing.reply_poll,
-                 f"; wakes the SuperExec at {wakeup} on each message" if wakeup else "")
+    if install(pacing):
+        log.info("pgvi-supernode: idle pulls after %s s, x%s, up to %s s; reply checks every %s s",
+                 pacing.pull_min, pacing.factor, pacing.pull_max, pacing.reply_poll)
     if object_pulls.set_initial_retry(initial_retry):
         log.info("pgvi-supernode: first retry of an object not yet at the SuperLink after %s s", initial_retry)
     from flwr.supernode.cli.flower_supernode import flower_supernode

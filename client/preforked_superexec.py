@@ -50,7 +50,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from client import object_pulls, task_wakeup
+from client import object_pulls
 from client.flower_version import version_problem
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperExec's own lines
@@ -455,20 +455,10 @@ def main() -> None:
     retry of an object not there yet is ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s, ``client/object_pulls.py``)."""
     try:
         initial_retry = object_pulls.initial_retry_from_env()
-        wakeup = task_wakeup.socket_path_from_env()
     except ValueError as err:
         print(f"pgvi-superexec: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     install(initial_retry)
-    if wakeup is not None and (listener := task_wakeup.install(wakeup)) is not None:
-        import atexit
-
-        def close() -> None:
-            log.info("pgvi-superexec: task wake-ups: woken %d of %d waits", listener.woken, listener.waits)
-            listener.close()
-
-        atexit.register(close)
-        log.info("pgvi-superexec: polls for a task at once when its SuperNode signals a message on %s", wakeup)
     from flwr.supercore.cli import flower_superexec
 
     flower_superexec()

@@ -580,17 +580,15 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     if args.object_pull_retry is not None:
         extra["env"] = {ENV_INITIAL_RETRY: str(args.object_pull_retry)}
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
-    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode,
-                   "task-wakeup": args.task_wakeup})
+    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode})
     with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
                          warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
-                         supernode=args.supernode, task_wakeup=args.task_wakeup, **extra) as dep:
+                         supernode=args.supernode, **extra) as dep:
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup
         print(f"{args.clients} SuperNodes online after {result['setup-seconds']:.1f}s (TLS on, isolation "
-              f"{dep.isolation}, SuperExec {dep.superexec}, SuperNode {dep.supernode}, task wake-up "
-              f"{'ON' if dep.task_wakeup_socket(0) is not None else 'off'}, "
+              f"{dep.isolation}, SuperExec {dep.superexec}, SuperNode {dep.supernode}, "
               f"warm compute workers {'ON' if dep.warm_workers else 'off'}, "
               f"node config torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL="
               f"{dep.superexec_poll_interval}, SuperLink --database "
@@ -739,12 +737,21 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ================================================================================================ part 4
+#: (SuperNode, first object retry s, SuperExec task poll s), in the order run.
+LATENCY_VARIANTS: list[tuple[str, float, float]] = [
+    ("flower", 1.0, 0.1),
+    ("flower", 0.05, 0.1),
+    ("paced", 0.05, 0.1),
+    ("paced", 0.05, 1.0),
+]
+
+
 def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
-    """Rounds with (almost) no compute: what a synchronous round costs in Flower's transport alone.  Three
-    variants, in alternating deployments of the same run: Flower's SuperNode with Flower's 1 s first retry of an
-    object not there yet (``client/object_pulls.py``, in the forked ClientApps and the ServerApp); Flower's
-    SuperNode with a 0.05 s first retry; ``client/paced_supernode.py`` with a 0.05 s first retry (also in the
-    SuperNode)."""
+    """Rounds with (almost) no compute: what a synchronous round costs in Flower's transport alone.  Variants, in
+    alternating deployments of the same run (``LATENCY_VARIANTS``): Flower's SuperNode with Flower's 1 s first
+    retry of an object not there yet (``client/object_pulls.py``, in the forked ClientApps and the ServerApp);
+    Flower's SuperNode with a 0.05 s first retry; ``client/paced_supernode.py`` with a 0.05 s first retry (also
+    in the SuperNode), with the SuperExecs' task poll of 0.1 s (``Deployment``'s default) and of 1 s (Flower's)."""
     import statistics
 
     from scripts.deploy import Deployment, free_port_kwargs
@@ -757,24 +764,29 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
         "loss": "nll", "divergence": "kl", "num-clients": n, "min-clients": n, "evaluate-clients": False,
         "num-server-rounds": args.latency_rounds, "wait-for-clients-s": 600.0, "round-timeout-s": 120.0,
     }  # fmt: skip
-    variants = [("flower", 1.0), ("flower", 0.05), ("paced", 0.05)]  # (SuperNode, first object retry s)
+    variants = LATENCY_VARIANTS
     print(f"\n=== part 4: round latency, {n} SuperNodes, conjugate Gaussian location (local update of "
           f"milliseconds), {args.latency_rounds} rounds, {args.latency_repeats} deployment(s) per variant ===")
     print(f"run config: {json.dumps(base)}; TLS + SuperNode auth, isolation process, SuperExec preforked, "
-          "warm compute workers, torch-threads=1, FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 (Deployment's defaults "
-          "otherwise)", flush=True)
+          "warm compute workers, torch-threads=1 (Deployment's defaults otherwise)", flush=True)
     result: dict[str, Any] = {"run-config": base, "uptime-before": uptime_line(), "runs": []}
-    rounds: dict[str, list[float]] = {f"{sn} / {r:g} s": [] for sn, r in variants}
+
+    def label(sn: str, retry: float, poll: float) -> str:
+        return f"{sn} / {retry:g} s / poll {poll:g} s"
+
+    rounds: dict[str, list[float]] = {label(*v): [] for v in variants}
     cpu_per_round: dict[str, list[float]] = {k: [] for k in rounds}
+    exec_cpu_per_round: dict[str, list[float]] = {k: [] for k in rounds}
     for rep in range(args.latency_repeats):
-        for sn, retry in variants:
-            key = f"{sn} / {retry:g} s"
-            tag = f"{sn}-{retry:g}-{rep}"
+        for sn, retry, poll in variants:
+            key = label(sn, retry, poll)
+            tag = f"{sn}-{retry:g}-{poll:g}-{rep}"
             out_dir = wd / tag / "outputs"
             out_dir.mkdir(parents=True)
             with Deployment(n, run_dir=wd / tag / "deploy", isolation="process", superexec="preforked",
-                            warm_workers=True, supernode=sn, node_config={"torch-threads": 1},
-                            env={ENV_INITIAL_RETRY: str(retry)}, **free_port_kwargs(n)) as dep:  # fmt: skip
+                            warm_workers=True, supernode=sn, superexec_poll_interval=poll,
+                            node_config={"torch-threads": 1}, env={ENV_INITIAL_RETRY: str(retry)},
+                            **free_port_kwargs(n)) as dep:  # fmt: skip
                 dep.start()
                 dep.wait_online(timeout=600)
                 sampler = ProcTreeSampler("PGVI_DEPLOY_ID", dep.token, 0.25, exclude={os.getpid()})
@@ -791,7 +803,8 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
             t_from, t_to = (t[1], t[-1]) if len(t) > 2 else (float("nan"), float("nan"))
             cpu = sampler.cpu_by_role(t_from, t_to)  # rounds 2.. (round 1 includes the first forks)
             secs = t_to - t_from
-            run = {"supernode": sn, "object-pull-retry-s": retry, "repeat": rep, "status": res.status, "ok": res.ok, "round-walls-s": walls,
+            run = {"supernode": sn, "object-pull-retry-s": retry, "task-poll-s": poll,
+                   "repeat": rep, "status": res.status, "ok": res.ok, "round-walls-s": walls,
                    "leftover-processes": leftovers, "cpu-s-by-role-rounds-2-on": cpu, "seconds-rounds-2-on": secs}
             result["runs"].append(run)
             if not res.ok or len(walls) != args.latency_rounds:
@@ -801,20 +814,23 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             rounds[key].extend(walls[1:])
             cpu_per_round[key].append(cpu.get("flower-supernode", 0.0) / (len(walls) - 1) / n)
+            # the nodes' SuperExecs and their forkservers (the ServerApp's SuperExec is one more process)
+            exec_cpu_per_round[key].append(cpu.get("flower-superexec", 0.0) / (len(walls) - 1) / n)
             print(f"{key:>15} #{rep}: rounds 2-{args.latency_rounds} median {statistics.median(walls[1:]):.2f} s "
                   f"(min {min(walls[1:]):.2f}, max {max(walls[1:]):.2f}); round 1 {walls[0]:.2f} s; SuperNode CPU "
-                  f"{1000 * cpu_per_round[key][-1]:.0f} ms per round each; processes left: {len(leftovers)}", flush=True)
+                  f"{1000 * cpu_per_round[key][-1]:.0f} ms, SuperExec CPU {1000 * exec_cpu_per_round[key][-1]:.0f} ms "
+                  f"per round and node; processes left: {len(leftovers)}", flush=True)
     rows = []
     for sn, w in rounds.items():
         if w:
             q = statistics.quantiles(w, n=10) if len(w) > 1 else [w[0]] * 9
             rows.append([sn, len(w), statistics.median(w), statistics.fmean(w), q[8], max(w),
-                         1000 * statistics.fmean(cpu_per_round[sn])])
+                         1000 * statistics.fmean(cpu_per_round[sn]), 1000 * statistics.fmean(exec_cpu_per_round[sn])])
     print("\nround wall time over rounds 2.. of every deployment (seconds):")
-    print(table(["SuperNode / first object retry", "rounds", "median", "mean", "p90", "max",
-                 "SuperNode CPU ms/round each"], rows))
-    result["summary"] = {r[0]: dict(zip(("rounds", "median-s", "mean-s", "p90-s", "max-s", "supernode-cpu-ms-per-round"),
-                                        r[1:])) for r in rows}  # fmt: skip
+    print(table(["SuperNode / first object retry / task poll", "rounds", "median", "mean", "p90", "max",
+                 "SuperNode CPU ms/round each", "SuperExec CPU ms/round each"], rows))
+    result["summary"] = {r[0]: dict(zip(("rounds", "median-s", "mean-s", "p90-s", "max-s", "supernode-cpu-ms-per-round",
+                                         "superexec-cpu-ms-per-round"), r[1:])) for r in rows}  # fmt: skip
     result["uptime-after"] = uptime_line()
     print(f"uptime after: {result['uptime-after']}", flush=True)
     result.setdefault("ok", True)
@@ -1113,9 +1129,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--supernode", choices=("flower", "paced"), default="flower",
                     help="part 1: the SuperNodes (Deployment(supernode=...)); paced = client/paced_supernode.py, "
                          "pulling again 0.1 s after a reply instead of 3 s")
-    ap.add_argument("--no-task-wakeup", dest="task_wakeup", action="store_false",
-                    help="part 1, with --supernode paced --superexec preforked: no wake-up of the SuperExecs by their "
-                         "SuperNodes (Deployment(task_wakeup=False)); they find tasks at their polls only")
     ap.add_argument("--object-pull-retry", type=float, default=None,
                     help="part 1: first retry (s) of a message object still arriving, in the ServerApp (run config "
                          "object-pull-retry-s) and in the nodes' paced SuperNode / forked ClientApps (PGVI_OBJECT_PULL_RETRY_S; "

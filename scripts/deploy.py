@@ -80,9 +80,6 @@ try:  # works both as `python scripts/deploy.py` and as `import scripts.deploy`
 except ImportError:  # pragma: no cover - direct execution
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pki  # type: ignore[no-redef]
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `client` (stdlib-only module below)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from client import task_wakeup  # noqa: E402
 
 __all__ = [
     "DEFAULT_CONNECTION",
@@ -411,12 +408,6 @@ class Deployment:
         checks for the ClientApp's reply every 0.5 s) or ``"paced"`` (``python -m client.paced_supernode``, same
         arguments: after a message the idle waits back off from 0.1 s to 3 s, reply checks every 0.1 s; tune
         with the ``PGVI_SUPERNODE_*`` variables in ``env``).
-    task_wakeup:
-        With ``supernode="paced"`` and ``superexec="preforked"`` (default True): each SuperNode wakes its
-        SuperExec through a Unix datagram socket (``<run_dir>/wake/<k>.sock``) as soon as it has stored a
-        message, so the ClientApp starts without waiting for the SuperExec's next task poll
-        (``client/task_wakeup.py``). Ignored with other combinations; off (with a warning) if the socket
-        path would be too long for a Unix socket.
     node_config:
         Extra node-config entries for every node (e.g. ``{"torch-threads": 1}``).
     node_configs:
@@ -449,7 +440,6 @@ class Deployment:
         isolation: str = "subprocess",
         superexec: str = "flower",
         supernode: str = "flower",
-        task_wakeup: bool = True,
         connection: str = DEFAULT_CONNECTION,
         node_config: Mapping[str, Any] | None = None,
         node_configs: Mapping[int, Mapping[str, Any]] | None = None,
@@ -503,7 +493,6 @@ class Deployment:
         self.isolation = isolation
         self.superexec = superexec
         self.supernode = supernode
-        self.task_wakeup = bool(task_wakeup)
         self.connection = connection
         self.node_config = dict(node_config or {})
         self.node_configs: dict[int, dict[str, Any]] = {}
@@ -544,27 +533,6 @@ class Deployment:
 
     def node_state_dir(self, k: int) -> Path:
         return self.run_dir / "nodes" / self.node_name(k) / "state"
-
-    def task_wakeup_socket(self, k: int) -> Path | None:
-        """The socket through which SuperNode ``k`` wakes its SuperExec, or None when not used (see
-        ``task_wakeup``)."""
-        if not (self.task_wakeup and self.supernode == "paced" and self.superexec == "preforked"):
-            return None
-        path = self.run_dir / "wake" / f"{k}.sock"
-        try:
-            return task_wakeup.check_socket_path(path, "the task wake-up socket")
-        except ValueError as err:
-            log.warning("%s; node %d's SuperExec finds its tasks at its polls only", err, k)
-            return None
-
-    def _node_env(self, k: int) -> dict[str, str]:
-        """The environment of SuperNode ``k``'s paced SuperNode and preforked SuperExec (our modules)."""
-        env = self._repo_on_pythonpath()
-        sock = self.task_wakeup_socket(k)
-        if sock is not None:
-            sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            env[task_wakeup.ENV_SOCKET] = str(sock)
-        return env
 
     def _check_index(self, k: int) -> None:
         if not 0 <= k < self.num_nodes:
@@ -1016,13 +984,13 @@ class Deployment:
             cmd += ["--ssl-ca-certfile", str(self.ca_cert),
                     "--ssl-certfile", str(rt_cert), "--ssl-keyfile", str(rt_key)]  # fmt: skip
         info = self._spawn("supernode", k, cmd, self.run_dir / "homes" / self.node_name(k),
-                           env=self._node_env(k) if self.supernode == "paced" else None)
+                           env=self._repo_on_pythonpath() if self.supernode == "paced" else None)
         if self.isolation == "process":
             args = [*self._tls_client_args(), "--runtime-api-address", f"127.0.0.1:{port}"]
             home = self.run_dir / "homes" / f"{self.node_name(k)}-superexec"
             if self.superexec == "preforked":
                 self._spawn("superexec-clientapp", k, [*self._preforked_superexec_cmd(), *args], home,
-                            env=self._node_env(k))
+                            env=self._repo_on_pythonpath())
             else:
                 self._spawn("superexec-clientapp", k, [self._bin("flower-superexec"), *args], home)
         return info
@@ -1359,7 +1327,6 @@ class Deployment:
             "isolation": self.isolation,
             "superexec": self.superexec,
             "supernode": self.supernode,
-            "task_wakeup": self.task_wakeup,
             "connection": self.connection,
             "node_config": self.node_config,
             "node_configs": {str(k): v for k, v in self.node_configs.items()},
@@ -1401,7 +1368,6 @@ class Deployment:
             isolation=st["isolation"],
             superexec=st.get("superexec", "flower"),
             supernode=st.get("supernode", "flower"),
-            task_wakeup=st.get("task_wakeup", True),
             connection=st["connection"],
             node_config=st["node_config"],
             node_configs={int(k): v for k, v in st.get("node_configs", {}).items()},
@@ -1469,9 +1435,6 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="flower (default) = flower-supernode (3 s between pulls that find no message); paced = "
                          "client/paced_supernode.py, the same SuperNode pulling again 0.1 s after a reply and "
                          "backing off to 3 s (PGVI_SUPERNODE_* variables tune it)")
-    up.add_argument("--no-task-wakeup", dest="task_wakeup", action="store_false",
-                    help="with --supernode paced --superexec preforked: do not let each SuperNode wake its "
-                         "SuperExec when a message arrives (the SuperExec then finds tasks at its polls only)")
     up.add_argument("--connection", default=DEFAULT_CONNECTION)
     up.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
                     help="extra node config for every node, e.g. torch-threads=1 (repeatable)")  # fmt: skip
@@ -1623,7 +1586,6 @@ def _up(args: argparse.Namespace) -> int:
         isolation=isolation,
         superexec=args.superexec,
         supernode=args.supernode,
-        task_wakeup=args.task_wakeup,
         connection=args.connection,
         node_config=_parse_kv(args.node_config),
         node_configs=_parse_per_node(args.node_config_for),
