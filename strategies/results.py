@@ -26,6 +26,7 @@ _TABLE_COLUMNS = [
     ("test-rmse", "rmse", "{:>7.4f}"),
     ("client-accuracy", "cli acc", "{:>7.4f}"),
     ("client-seconds-max", "cli s", "{:>6.2f}"),
+    ("round-seconds", "round s", "{:>7.2f}"),
 ]
 
 
