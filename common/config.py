@@ -117,6 +117,11 @@ class RunConfig(BaseModel):
     fedavg_local_epochs: int = Field(10, ge=1)
     fedavg_batch_size: int = Field(100, ge=1)
     evaluate_clients: bool = True
+    pipeline_evaluation: bool = Field(
+        True,
+        description="synchronous schedule without evaluate-clients: evaluate round r's posterior on the server "
+                    "while the clients work on round r+1 (same records, the row of round r written after that push)",
+    )
     output_dir: str = "outputs"
     checkpoint: bool = Field(True, description="write the server state after every applied update")
     resume: str = Field("", description="directory of a checkpoint to resume from ('' = start fresh)")

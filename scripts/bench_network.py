@@ -559,6 +559,8 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     if args.object_pull_retry is not None:  # the ServerApp's; the nodes' comes from the environment below
         run_config["object-pull-retry-s"] = args.object_pull_retry
+    if not args.pipeline_evaluation:
+        run_config["pipeline-evaluation"] = False
     print(f"\n=== part 1: {args.clients}-client BNN rounds over TLS on loopback ===", flush=True)
     print(f"run config overrides: {json.dumps(run_config)}", flush=True)
     up0 = uptime_line()
@@ -1129,6 +1131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--supernode", choices=("flower", "paced"), default="flower",
                     help="part 1: the SuperNodes (Deployment(supernode=...)); paced = client/paced_supernode.py, "
                          "pulling again 0.1 s after a reply instead of 3 s")
+    ap.add_argument("--no-pipeline-evaluation", dest="pipeline_evaluation", action="store_false",
+                    help="part 1: run config pipeline-evaluation=false (round r's server evaluation before round r+1's "
+                         "messages are sent, instead of during round r+1)")
     ap.add_argument("--object-pull-retry", type=float, default=None,
                     help="part 1: first retry (s) of a message object still arriving, in the ServerApp (run config "
                          "object-pull-retry-s) and in the nodes' paced SuperNode / forked ClientApps (PGVI_OBJECT_PULL_RETRY_S; "

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 CHECKPOINT_FILE = "checkpoint.npz"
 RESUME_FREE_KEYS = {
     "resume", "output-dir", "num-server-rounds", "round-timeout-s", "wait-for-clients-s", "object-pull-retry-s",
+    "pipeline-evaluation",
 }
 _FORMAT = 1
 

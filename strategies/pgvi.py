@@ -37,6 +37,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -118,7 +119,8 @@ class Reply:
 #: clients' work, the transport of their replies, pulling them); ``apply`` decoding, checking and applying the
 #: Deltas (with the checkpoint written before any client learns of them); ``evaluate`` the server-side test
 #: evaluation; ``client-evaluate`` the evaluate messages' round trip.  ``round-seconds`` is the whole round, from
-#: the start of its first phase (for the asynchronous schedule: the close of the previous round) to its record.
+#: the start of its first phase (for the asynchronous schedule: the close of the previous round) to its record
+#: (with a pipelined evaluation, ``pipeline-evaluation``: to the end of that evaluation).
 SERVER_PHASES = ("push", "wait", "apply", "evaluate", "client-evaluate")
 
 
@@ -138,6 +140,7 @@ class RoundStats:
     #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    evaluated: float | None = None  # perf_counter when a pipelined server evaluation of the round ended
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -353,21 +356,87 @@ class PGVIStrategy(Strategy):
                     "train message in flight); the server-side test metrics are recorded each round")
             self._run_asynchronous(grid, num_rounds, timeout, result)
         else:
-            for rnd in range(self.round_completed + 1, num_rounds + 1):
-                self._await_clients(grid, rnd)
-                stats = RoundStats()
-                if self.cfg.schedule == "synchronous":
-                    self._round_synchronous(grid, rnd, timeout, stats)
-                else:
-                    self._round_sequential(grid, rnd, timeout, stats)
-                result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
-                self._record_round(rnd, stats, grid, result, do_client_eval=True)
-                self._end_round(rnd)  # after the row: the checkpoint of round rnd holds its history row
-                self._check_progress(rnd, stats)
+            self._run_rounds(grid, num_rounds, timeout, result)
         result.arrays = self._current_record()
         log(INFO, "PGVI finished in %.2fs: %d updates applied, %d rejected", time.time() - t0,
             sum(self.ledger_versions.values()), len(self.rejections))
         return result
+
+    def pipelines_evaluation(self) -> bool:
+        """Whether round r's server evaluation runs while the clients work on round r+1 (run config
+        ``pipeline-evaluation``; synchronous schedule, no client-side evaluation, a server evaluation to run)."""
+        return (self.cfg.pipeline_evaluation and self.cfg.schedule == "synchronous" and not self.cfg.evaluate_clients
+                and self.server_evaluate is not None)
+
+    def _run_rounds(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
+        """The synchronous and sequential schedules.
+
+        Each round ends with its record (server evaluation, row, ``on_round_end``), the checkpoint that holds
+        that row, and the progress check.  With :meth:`pipelines_evaluation` the server evaluation of round r
+        runs in a background thread from the end of round r's apply, and the rest of round r's ending follows
+        the push of round r+1's messages, so the evaluation overlaps the clients' work; the records, the
+        checkpoints' contents and every posterior are those of the unpipelined run.  A server crash between that
+        push and round r's checkpoint resumes from the checkpoint written when round r's Deltas were applied,
+        as a crash during round r's apply would (clients with a pending update reconcile through the ledger).
+        A round in which every client failed is never pipelined: its record is written and the run stops
+        before any further message is sent.
+        """
+        pending: list[Callable[[], None]] = []  # at most one: the ending of the previous round
+
+        def finish_pending() -> None:
+            while pending:
+                pending.pop()()
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation() else None
+        try:
+            for rnd in range(self.round_completed + 1, num_rounds + 1):
+                self._await_clients(grid, rnd)
+                stats = RoundStats()
+                if self.cfg.schedule == "synchronous":
+                    self._round_synchronous(grid, rnd, timeout, stats, after_push=finish_pending)
+                else:
+                    finish_pending()
+                    self._round_sequential(grid, rnd, timeout, stats)
+                finish_pending()  # (already done unless the round pushed nothing)
+                result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
+                if pool is not None and not self._all_failed(stats):
+                    pending.append(self._end_round_later(pool, rnd, stats, grid, result))
+                    continue
+                self._record_round(rnd, stats, grid, result, do_client_eval=True)
+                self._end_round(rnd)  # after the row: the checkpoint of round rnd holds its history row
+                self._check_progress(rnd, stats)
+            finish_pending()
+        except BaseException:
+            try:  # keep the last round's record and checkpoint if its evaluation can still finish
+                finish_pending()
+            except Exception as err:  # noqa: BLE001 - the original error is the one to report
+                log(WARNING, "the pending record of the last round could not be written: %s: %s",
+                    type(err).__name__, err)
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    def _end_round_later(self, pool: ThreadPoolExecutor, rnd: int, stats: RoundStats, grid: Grid,
+                         result: Result) -> Callable[[], None]:
+        """Start round ``rnd``'s server evaluation in ``pool``; return the rest of the round's ending."""
+        assert self.state.posterior is not None and self.server_evaluate is not None
+        evaluate, posterior = self.server_evaluate, self.state.posterior  # the posterior after round rnd
+
+        def run() -> dict[str, float]:
+            with stats.timed("evaluate"):
+                metrics = evaluate(posterior)
+            stats.evaluated = time.perf_counter()
+            return metrics
+
+        future: Future[dict[str, float]] = pool.submit(run)
+
+        def finish() -> None:
+            self._record_round(rnd, stats, grid, result, do_client_eval=False, server_metrics=future.result())
+            self._end_round(rnd)
+            self._check_progress(rnd, stats)
+
+        return finish
 
     def _checkpoint(self) -> None:
         if self.checkpoint_dir is not None:
@@ -385,16 +454,21 @@ class PGVIStrategy(Strategy):
             self._last_failure = f"{missing} client(s) did not reply within round-timeout-s"
             log(WARNING, "round %d: %d client(s) did not reply in time; they keep their old sites", rnd, missing)
 
+    @staticmethod
+    def _all_failed(stats: RoundStats) -> bool:
+        return stats.sent > 0 and stats.applied == 0 and stats.failed >= stats.sent
+
     def _check_progress(self, rnd: int, stats: RoundStats) -> None:
-        if stats.sent > 0 and stats.applied == 0 and stats.failed >= stats.sent:
+        if self._all_failed(stats):
             raise AllClientsFailed(
                 f"round {rnd}: all {stats.sent} client messages failed (last reason: {self._last_failure})"
             )
 
-    def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
+    def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats,
+                           after_push: Callable[[], None] | None = None) -> None:
         msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
         stats.sent += len(msgs)
-        replies = self._send_and_receive(grid, msgs, timeout, stats)
+        replies = self._send_and_receive(grid, msgs, timeout, stats, after_push)
         self._count_timeouts(rnd, len(msgs), replies, stats)
         with stats.timed("apply"):
             self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
@@ -712,18 +786,23 @@ class PGVIStrategy(Strategy):
         return out
 
     def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float,
-                          stats: RoundStats | None = None) -> list[Message]:
+                          stats: RoundStats | None = None, after_push: Callable[[], None] | None = None) -> list[Message]:
         """Like ``Grid.send_and_receive`` but polling every ``poll_interval`` s (the HTTP grid polls every 3 s).
 
         Pushing and pulling share the ``timeout``; messages that could not be pushed in time get no reply.
         With ``stats``, the push and the wait for the replies are timed as its ``push`` and ``wait`` phases.
+        ``after_push`` is called once the push has been attempted (also when there is nothing to push).
         """
         if not msgs:
+            if after_push is not None:
+                after_push()
             return []
         stats = stats if stats is not None else RoundStats()
         end = time.time() + timeout
         with stats.timed("push"):
             ids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)), end)
+        if after_push is not None:
+            after_push()
         if ids is None:
             return []
         with stats.timed("wait"):
@@ -877,25 +956,29 @@ class PGVIStrategy(Strategy):
 
     # =============================================================================================
     # evaluation and records
-    def _record_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool) -> None:
-        evaluated: dict[str, float] = {}
-        if self.server_evaluate is not None:
+    def _record_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool,
+                      server_metrics: dict[str, float] | None = None) -> None:
+        """Evaluate the posterior (unless ``server_metrics`` holds that evaluation, made earlier) and append the
+        round's row to the history (``on_round_end``)."""
+        extra: dict[str, float] = {}
+        if server_metrics is None and self.server_evaluate is not None:
             assert self.state.posterior is not None
             with stats.timed("evaluate"):
                 server_metrics = self.server_evaluate(self.state.posterior)
+        if server_metrics is not None:
             result.evaluate_metrics_serverapp[rnd] = MetricRecord(server_metrics)
-            evaluated.update({f"test-{k}": v for k, v in server_metrics.items()})
+            extra.update({f"test-{k}": v for k, v in server_metrics.items()})
         if do_client_eval and self.cfg.evaluate_clients:
             with stats.timed("client-evaluate"):
                 msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
                 agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
             if agg is not None:
                 result.evaluate_metrics_clientapp[rnd] = agg
-                evaluated.update({k: float(v) for k, v in agg.items()})
+                extra.update({k: float(v) for k, v in agg.items()})
         row: dict[str, float] = {"round": float(rnd), "version": float(self.state.version)}
         row.update(stats.as_metrics())
-        row.update(evaluated)
-        row["round-seconds"] = time.perf_counter() - stats.started
+        row.update(extra)
+        row["round-seconds"] = (stats.evaluated or time.perf_counter()) - stats.started
         row["recorded-at"] = time.time()  # Unix time
         self.history.append(row)
         if self.on_round_end is not None:
