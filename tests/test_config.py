@@ -168,6 +168,9 @@ def test_pyproject_app_config_parses():
     for k, v in app_cfg.items():
         assert k in flat, f"{k} is not a RunConfig field"
         assert flat[k] == v, k
+    # Flower rejects a --run-config / -c key that [tool.flwr.app.config] does not declare ("Invalid run
+    # configuration"): every field must be declared there to be settable from the command line
+    assert sorted(set(flat) - set(app_cfg)) == []
 
 
 @pytest.mark.parametrize("key,div", [("divergence-alpha", "divergence"), ("server-divergence-alpha", "server-divergence")])
