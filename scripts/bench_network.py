@@ -7,12 +7,12 @@ Three parts, each selectable by a flag (no flag = all three), and a fourth on re
     784-200-10 mean-field BNN on Fashion-MNIST (``num-clients = min-clients = N``, batch 256, 10 MC samples,
     ``evaluate-clients=false``).  Per round it splits the wall time into local compute and the rest:
 
-    * round wall time: the ServerApp appends a row to ``metrics.jsonl`` when a round ends (round 0 is written
-      after the prior is evaluated, just before round 1 starts); round ``r`` lasts ``t(row r) - t(row r-1)``.
-      ``t`` is the row's ``recorded-at`` (the ServerApp's clock when it made the row).  A thread of this script
-      polls the file every 0.05 s; for records without ``recorded-at`` (older versions) it stamps each new row
-      with the file's mtime when one row was added since the last poll (the write time itself), else the poll
-      time.  The rows' ``server-seconds-*`` (the ServerApp's wall time by phase) are printed too.
+    * round wall time: round ``r`` lasts from its start to the start of round ``r+1`` (the rows'
+      ``started-at``, the ServerApp's clock); the last round ends at its row's ``recorded-at``.  A thread of
+      this script polls ``metrics.jsonl`` every 0.05 s; for records without those keys (older versions) round
+      ``r`` lasts ``t(row r) - t(row r-1)``, each row stamped with the file's mtime when one row was added since
+      the last poll (the write time itself), else the poll time.  The rows' ``server-seconds-*`` (the
+      ServerApp's wall time by phase) are printed too.
     * local compute: ``client-seconds-max`` of the row (the slowest client's ``client_step`` wall time);
       ``overhead = wall - client-seconds-max``.
     * where the overhead goes, from a sampler that reads ``/proc`` every 0.25 s for every process carrying the
@@ -638,9 +638,15 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     t_row = {int(r["round"]): t for t, r in rows}
     row = {int(r["round"]): r for _, r in rows}
     clientapps = sorted((p for p in sampler.procs.values() if p.role == "flwr-clientapp"), key=lambda p: p.start)
+    # round r spans [start of r, start of r+1): the rows' started-at (the ServerApp's clock; with
+    # pipeline-evaluation a row is written after the next round's messages went out, so row times would put
+    # those ClientApps in the earlier round); the last round ends at its row; older records: row to row
+    bound = {rnd: float(row[rnd]["started-at"]) if "started-at" in row.get(rnd, {}) else t_row[rnd - 1]
+             for rnd in range(1, args.rounds + 1)}
+    bound[args.rounds + 1] = t_row[args.rounds]
     per_round = []
     for rnd in range(1, args.rounds + 1):
-        t0, t1 = t_row[rnd - 1], t_row[rnd]
+        t0, t1 = bound[rnd], bound[rnd + 1]
         r = row[rnd]
         wall = t1 - t0
         cs_max, cs_mean = r.get("client-seconds-max", float("nan")), r.get("client-seconds-mean", float("nan"))
@@ -679,6 +685,7 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
         })  # fmt: skip
     result["rounds"] = per_round
     result["row-times"] = {r: t - t_row[0] for r, t in t_row.items()}
+    result["round-starts"] = {r: t - t_row[0] for r, t in bound.items()}
     result["clientapp-processes"] = [
         {"pid": p.pid, "start": p.start - t_row[0], "active-end": p.active_end - t_row[0], "last-seen": p.last_seen - t_row[0],
          "cpu-s": p.cpu_last, "rss-peak-mb": p.rss_peak / MB} for p in clientapps
@@ -687,7 +694,8 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     result["ok"] = True
     cores = os.cpu_count() or 1
 
-    print("\nper-round wall time split (seconds; round r = t(row r) - t(row r-1) of metrics.jsonl):")
+    print("\nper-round wall time split (seconds; round r = start of round r+1 - start of round r, the rows' started-at; "
+          "the last round ends at its row):")
     print(table(
         ["round", "wall", "cli-s max", "cli-s mean", "overhead", "ovh %", "dispatch", "in-app", "tail", "app life max"],
         [[p["round"], p["wall-s"], p["client-seconds-max"], p["client-seconds-mean"], p["overhead-s"],

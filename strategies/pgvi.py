@@ -120,7 +120,8 @@ class Reply:
 #: Deltas (with the checkpoint written before any client learns of them); ``evaluate`` the server-side test
 #: evaluation; ``client-evaluate`` the evaluate messages' round trip.  ``round-seconds`` is the whole round, from
 #: the start of its first phase (for the asynchronous schedule: the close of the previous round) to its record
-#: (with a pipelined evaluation, ``pipeline-evaluation``: to the end of that evaluation).
+#: (with a pipelined evaluation, ``pipeline-evaluation``: to the end of that evaluation); ``started-at`` and
+#: ``recorded-at`` are the Unix times of that start and of the record.
 SERVER_PHASES = ("push", "wait", "apply", "evaluate", "client-evaluate")
 
 
@@ -140,6 +141,7 @@ class RoundStats:
     #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    started_at: float = field(default_factory=time.time)  # the same instant, Unix time
     evaluated: float | None = None  # perf_counter when a pipelined server evaluation of the round ended
 
     @contextmanager
@@ -979,7 +981,8 @@ class PGVIStrategy(Strategy):
         row.update(stats.as_metrics())
         row.update(extra)
         row["round-seconds"] = (stats.evaluated or time.perf_counter()) - stats.started
-        row["recorded-at"] = time.time()  # Unix time
+        row["started-at"] = stats.started_at  # Unix time
+        row["recorded-at"] = time.time()
         self.history.append(row)
         if self.on_round_end is not None:
             self.on_round_end(rnd, row)

@@ -26,7 +26,7 @@ from strategies.inprocess import InProcessGrid
 from strategies.pgvi import AllClientsFailed, PGVIStrategy
 from tests.test_inprocess import BASE, client_app
 
-TIMING_KEYS = {"round-seconds", "recorded-at", "client-seconds-max", "client-seconds-mean"}
+TIMING_KEYS = {"round-seconds", "started-at", "recorded-at", "client-seconds-max", "client-seconds-mean"}
 
 
 def _nodes(cfg):
@@ -107,7 +107,7 @@ def test_pipelined_evaluation_overlaps_the_next_rounds_clients():
     at = {(k, r): t for k, r, t in ev if k != "client"}
     first_client = {r: min(t for k, rr, t in ev if k == "client" and rr == r) for r in (1, 2, 3)}
     for r in (1, 2):  # round r's evaluation runs while round r+1's clients work; its row comes after their start
-        assert at[("eval-start", r)] < first_client[r + 1] < at[("eval-end", r)]
+        assert first_client[r + 1] < at[("eval-end", r)]  # (which thread starts first is the scheduler's choice)
         assert at[("row", r)] > first_client[r + 1]
     assert [r for k, r, _ in ev if k == "row"] == [0, 1, 2, 3]  # every round recorded once, in order
 

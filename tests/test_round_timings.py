@@ -54,6 +54,8 @@ def test_rows_carry_the_server_phases_and_the_round_time(schedule):
     assert [int(r["round"]) for r in rows] == [0, 1, 2, 3]
     stamps = [r["recorded-at"] for r in rows]
     assert t0 <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= t1
+    starts = [r["started-at"] for r in rows]
+    assert starts == sorted(starts) and all(a <= b for a, b in zip(starts, stamps))
     for r in rows:
         phases = {k.removeprefix("server-seconds-"): v for k, v in r.items() if k.startswith("server-seconds-")}
         assert set(phases) <= set(SERVER_PHASES)
