@@ -254,6 +254,13 @@ def snapshot_app(dest: Path) -> tuple[Path, str]:
             shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         elif src.exists():
             shutil.copy2(src, dest / part)
+    # the copy holds none of the paths pyproject's fab-exclude names (docs/, scripts/, tests/, ...), and Flower
+    # 1.39 refuses to build a FAB with a pattern that matches nothing: drop the key from the copy
+    pyproject = dest / "pyproject.toml"
+    text, n = re.subn(r"(?m)^fab-exclude\s*=\s*\[[^\]]*\]\s*\n", "", pyproject.read_text())
+    if n > 1:
+        raise RuntimeError(f"{pyproject}: {n} fab-exclude keys")
+    pyproject.write_text(text)
     digest = hashlib.sha256()
     for f in sorted(dest.rglob("*")):
         if f.is_file():
