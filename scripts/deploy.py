@@ -1331,6 +1331,8 @@ class Deployment:
             "node_config": self.node_config,
             "node_configs": {str(k): v for k, v in self.node_configs.items()},
             "superexec_poll_interval": self.superexec_poll_interval,
+            "superlink_state": self.superlink_state,
+            "warm_workers": self.warm_workers,
             "env": self.extra_env,
             "bin_dir": str(self.bin_dir),
             "node_ids": {str(k): v for k, v in self.node_ids.items()},
@@ -1374,6 +1376,8 @@ class Deployment:
             superexec_poll_interval=st["superexec_poll_interval"],
             env=st["env"],
             bin_dir=st["bin_dir"],
+            superlink_state=st.get("superlink_state", "sqlite"),
+            warm_workers=st.get("warm_workers", False),
         )
         dep.token = st["token"]
         dep.node_ids = {int(k): v for k, v in st["node_ids"].items()}

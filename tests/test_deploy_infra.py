@@ -359,6 +359,23 @@ def _fake_flwr(tmp_path: Path, body: str) -> Path:
     return bin_dir
 
 
+def test_attach_restores_every_option_of_up(tmp_path):
+    """`deploy.py run|status|down` attach to the state `up` saved: the deployment they see has up's options."""
+    run_dir = tmp_path / "dep"
+    dep = Deployment(2, run_dir=run_dir, isolation="process", superexec="preforked", supernode="paced",
+                     superlink_state="memory", warm_workers=True, superexec_poll_interval=1.0,
+                     node_config={"torch-threads": 1}, node_configs={1: {"fault": "nan@2"}}, env={"X": "1"},
+                     **free_port_kwargs(2))  # fmt: skip
+    run_dir.mkdir()
+    dep._save_state()
+    again = Deployment.attach(run_dir)
+    for name in ("num_nodes", "isolation", "superexec", "supernode", "superlink_state", "warm_workers",
+                 "superexec_poll_interval", "node_config", "node_configs", "extra_env", "node_ports", "auth",
+                 "insecure", "token"):
+        assert getattr(again, name) == getattr(dep, name), name
+    assert again.node_config_for(1) == dep.node_config_for(1)
+
+
 def test_run_counter_survives_reattach(tmp_path):
     """`deploy.py run` twice on one deployment: the second run gets its own log and run config."""
     bin_dir = _fake_flwr(tmp_path, 'echo "fake flwr $*"\nexit 1\n')
