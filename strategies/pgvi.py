@@ -389,24 +389,21 @@ class PGVIStrategy(Strategy):
             while pending:
                 pending.pop()()
 
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation() else None
+        pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation()
+                else None)
         try:
             for rnd in range(self.round_completed + 1, num_rounds + 1):
                 self._await_clients(grid, rnd)
                 stats = RoundStats()
-                if self.cfg.schedule == "synchronous":
+                if self.cfg.schedule == "synchronous":  # ends the previous round once it has pushed (or had nothing to)
                     self._round_synchronous(grid, rnd, timeout, stats, after_push=finish_pending)
-                else:
-                    finish_pending()
+                else:  # never pipelined
                     self._round_sequential(grid, rnd, timeout, stats)
-                finish_pending()  # (already done unless the round pushed nothing)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 if pool is not None and not self._all_failed(stats):
                     pending.append(self._end_round_later(pool, rnd, stats, grid, result))
-                    continue
-                self._record_round(rnd, stats, grid, result, do_client_eval=True)
-                self._end_round(rnd)  # after the row: the checkpoint of round rnd holds its history row
-                self._check_progress(rnd, stats)
+                else:
+                    self._close_round(rnd, stats, grid, result, do_client_eval=True)
             finish_pending()
         except BaseException:
             try:  # keep the last round's record and checkpoint if its evaluation can still finish
@@ -432,13 +429,15 @@ class PGVIStrategy(Strategy):
             return metrics
 
         future: Future[dict[str, float]] = pool.submit(run)
+        return lambda: self._close_round(rnd, stats, grid, result, do_client_eval=False, server_metrics=future.result())
 
-        def finish() -> None:
-            self._record_round(rnd, stats, grid, result, do_client_eval=False, server_metrics=future.result())
-            self._end_round(rnd)
-            self._check_progress(rnd, stats)
-
-        return finish
+    def _close_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool,
+                     server_metrics: dict[str, float] | None = None) -> None:
+        """Record round ``rnd`` (:meth:`_record_round`), then checkpoint it (after the row: the checkpoint of round
+        ``rnd`` holds its history row), then stop the run if every client of the round failed."""
+        self._record_round(rnd, stats, grid, result, do_client_eval, server_metrics)
+        self._end_round(rnd)
+        self._check_progress(rnd, stats)
 
     def _checkpoint(self) -> None:
         if self.checkpoint_dir is not None:
@@ -520,9 +519,7 @@ class PGVIStrategy(Strategy):
                 return rnd, stats
             resolved = 0
             result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
-            self._record_round(rnd, stats, grid, result, do_client_eval=False)
-            self._end_round(rnd)
-            self._check_progress(rnd, stats)
+            self._close_round(rnd, stats, grid, result, do_client_eval=False)
             return rnd + 1, RoundStats()
 
         while rnd <= num_rounds:
