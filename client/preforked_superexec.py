@@ -50,7 +50,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from client import object_pulls
+from client import fab_cache, object_pulls
 from client.flower_version import version_problem
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperExec's own lines
@@ -173,15 +173,19 @@ def _fresh_main_module() -> None:
     sys.modules["__main__"] = types.ModuleType("__main__")
 
 
-def _child_main(entry: str, argv: Sequence[str], suppress_output: bool, initial_retry: float | None = None) -> None:
+def _child_main(entry: str, argv: Sequence[str], suppress_output: bool, initial_retry: float | None = None,
+                cache_fab: bool = False) -> None:
     """Runs in the forked child: become ``argv[0]`` with ``argv`` and call ``entry`` (``module:function``).
     ``initial_retry``: Flower's first retry of an object not there yet, in seconds (``client/object_pulls.py``;
-    None: Flower's).  The exit handlers (``atexit``) run at the end, as at a fresh interpreter's exit; the
-    forkserver ends its children with ``os._exit``, which would skip them."""
+    None: Flower's).  ``cache_fab``: install the FAB once per node (``client/fab_cache.py``).  The exit handlers
+    (``atexit``) run at the end, as at a fresh interpreter's exit; the forkserver ends its children with
+    ``os._exit``, which would skip them."""
     import atexit
 
     if initial_retry is not None:
         object_pulls.set_initial_retry(initial_retry)
+    if cache_fab:
+        fab_cache.install()
     _detach_from_forkserver()
     _forget_own_package()
     _fresh_main_module()
@@ -286,13 +290,15 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
     ``initial_retry`` (seconds, None = Flower's 1 s) is set in every forked ClientApp by
     ``client.object_pulls.set_initial_retry``: how soon it asks its SuperNode again for an object of the
     message that the SuperNode is still receiving.  A ClientApp started by the subprocess fallback keeps
-    Flower's 1 s.
+    Flower's 1 s.  ``cache_fab``: every forked ClientApp installs the FAB through ``client.fab_cache`` (once
+    per node instead of once per message); the subprocess fallback keeps Flower's install.
     """
 
     def __init__(self, *, entry: str = CLIENTAPP_ENTRY, preload: Sequence[str] = PRELOAD, start: bool = True,
-                 initial_retry: float | None = None) -> None:
+                 initial_retry: float | None = None, cache_fab: bool = True) -> None:
         super().__init__()
         self.entry = entry
+        self.cache_fab = bool(cache_fab)
         if initial_retry is not None:  # a bad value would raise in every child before its ClientApp runs
             initial_retry = object_pulls.check_initial_retry(initial_retry, "initial_retry")
         self.initial_retry = initial_retry
@@ -347,7 +353,7 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
         try:
             proc = self._ctx.Process(
                 target=_child_main,
-                args=(self.entry, argv, bool(spec.suppress_output), self.initial_retry),
+                args=(self.entry, argv, bool(spec.suppress_output), self.initial_retry, self.cache_fab),
                 name=f"flwr-clientapp-task-{spec.task_id}",
                 daemon=False,  # a daemonic process could not start processes of its own
             )
@@ -423,9 +429,9 @@ def incompatibility() -> str | None:
     return None
 
 
-def install(initial_retry: float | None = None) -> bool:
-    """Make Flower's ``run_superexec`` use a :class:`PreforkedExecutor` (with ``initial_retry``) for the
-    subprocess executor.  False (after one WARNING) if this Flower is not the one this was written for;
+def install(initial_retry: float | None = None, cache_fab: bool = True) -> bool:
+    """Make Flower's ``run_superexec`` use a :class:`PreforkedExecutor` (with ``initial_retry`` and ``cache_fab``)
+    for the subprocess executor.  False (after one WARNING) if this Flower is not the one this was written for;
     nothing is changed then."""
     problem = incompatibility()
     if problem is not None:
@@ -440,7 +446,7 @@ def install(initial_retry: float | None = None) -> bool:
     def get_executor(executor_type: Any, executor_config: Any = None, *, insecure: bool = False,
                      root_certificates_path: str | None = None) -> Any:
         if executor_type == ExecutorType.SUBPROCESS and executor_config is None:
-            return PreforkedExecutor(initial_retry=initial_retry)
+            return PreforkedExecutor(initial_retry=initial_retry, cache_fab=cache_fab)
         return original(executor_type, executor_config, insecure=insecure,
                         root_certificates_path=root_certificates_path)
 
@@ -452,13 +458,15 @@ def install(initial_retry: float | None = None) -> bool:
 
 def main() -> None:
     """``flower-superexec`` (same arguments), with forked ClientApps when this Flower allows it; their first
-    retry of an object not there yet is ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s, ``client/object_pulls.py``)."""
+    retry of an object not there yet is ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s, ``client/object_pulls.py``);
+    they install the FAB once per node unless ``$PGVI_FAB_CACHE`` is 0 (``client/fab_cache.py``)."""
     try:
         initial_retry = object_pulls.initial_retry_from_env()
+        cache_fab = fab_cache.enabled_from_env()
     except ValueError as err:
         print(f"pgvi-superexec: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    install(initial_retry)
+    install(initial_retry, cache_fab)
     from flwr.supercore.cli import flower_superexec
 
     flower_superexec()

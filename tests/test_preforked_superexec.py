@@ -119,6 +119,8 @@ def record():
             "run_clientapp_preloaded": "flwr.supernode.runtime.run_clientapp" in sys.modules,
             "initial_backoff": __import__("flwr.supercore.inflatable.inflatable_utils",
                                           fromlist=["x"]).pull_objects.__kwdefaults__["initial_backoff"],
+            "fab_cache": getattr(__import__("flwr.supernode.runtime.run_clientapp", fromlist=["x"]).install_from_fab,
+                                 "pgvi_fab_cache", False),
             "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2"),
             "main": [getattr(sys.modules["__main__"], "__file__", None), sys.modules["__main__"].__spec__,
                      "__mp_main__" in sys.modules]}}
@@ -204,6 +206,7 @@ def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry
         assert got["own_package_loaded"] == []  # the FAB's `client` package will be the one imported
         assert got["run_clientapp_preloaded"]
         assert got["initial_backoff"] == 0.07  # client/object_pulls.py, set in the child
+        assert got["fab_cache"] is True  # client/fab_cache.py, installed in the child (default on)
         assert got["main"] == [None, None, False]  # a bare __main__: spawned processes re-import nothing
         assert got.get("spawned") == ([3] if "spawn" in spec.token else None)
         assert (out / f"{spec.token}.atexit").exists() == ("atexit" in spec.token)  # also after sys.exit(3)
@@ -261,11 +264,13 @@ def test_falls_back_to_subprocess_when_a_fork_fails(probe_entry, popen, caplog, 
     from multiprocessing import forkserver
 
     entry, out = probe_entry
-    ex = pf.PreforkedExecutor(entry=entry)
+    ex = pf.PreforkedExecutor(entry=entry, cache_fab=False)
     assert ex.launch(_spec(token="before", task_id=1)) == LaunchResult.accepted()
     _wait_reaped(ex)
     assert (out / "before.json").exists() and popen.calls == []
-    assert json.loads((out / "before.json").read_text())["initial_backoff"] == 1  # no initial_retry: Flower's
+    before = json.loads((out / "before.json").read_text())
+    assert before["initial_backoff"] == 1  # no initial_retry: Flower's
+    assert before["fab_cache"] is False  # cache_fab=False: Flower's install_from_fab
     # the forkserver's socket goes away (as if the server had been replaced): the fork request raises
     fs = forkserver._forkserver
     good = fs._forkserver_address

@@ -1,0 +1,108 @@
+"""Install a FAB once per node, not once per message, in ClientApps forked by ``client/preforked_superexec.py``.
+
+Flower 1.39's ``run_clientapp`` calls ``flwr.cli.install.install_from_fab(fab_bytes, skip_prompt=True)`` for
+every message: it extracts the whole FAB into a temporary directory, checks every file against the FAB's
+``.info/CONTENT`` manifest, and only then finds the app installed under
+``$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`` and returns that directory.  For this project's FAB
+(62 files, 600 kB) that is about 90 ms of a forked ClientApp's 330 ms on an idle machine (py-spy, rounds of the
+conjugate model; ``docs/bench_network.md`` section 4c).
+
+:func:`install` replaces the name ``install_from_fab`` in ``flwr.supernode.runtime.run_clientapp`` with
+:func:`cached_install_from_fab`, which first computes the SHA-256 of the FAB's bytes (Flower names the install
+directory after the same digest).  If an earlier call in this node's ``FLWR_HOME`` installed exactly these bytes
+(a marker file named after the full digest holds the directory Flower returned) and that directory still exists,
+it returns the directory at once.  Otherwise it calls Flower's function unchanged and, when that returns, writes
+the marker.  So a FAB is extracted and verified by Flower at least once per node and ``FLWR_HOME``, and the
+bytes that skip it are identical, digest for digest, to bytes that passed it.
+
+What this does not change: a FAB given as a path, an ``install_dir`` other than ``FLWR_HOME``, and every error of
+Flower's install (a bad FAB is still refused by Flower's checks, and no marker is written).  Like Flower, it does
+not re-check an installed directory's files.  :func:`install` checks the Flower version (1.39.x) and the name it
+replaces; otherwise it logs one warning and changes nothing.  ``PGVI_FAB_CACHE=0`` turns it off (the SuperExec's
+environment).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from client.flower_version import version_problem
+
+log = logging.getLogger("flwr")
+
+MODULE = "flwr.supernode.runtime.run_clientapp"
+NAME = "install_from_fab"
+#: The markers' directory under ``FLWR_HOME``; one file per installed FAB, named by its full SHA-256.
+MARKER_DIR = ".pgvi-installed-fabs"
+#: Environment variable: ``0`` / ``false`` / ``no`` / ``off`` turn the cache off.
+ENV_FAB_CACHE = "PGVI_FAB_CACHE"
+
+
+def enabled_from_env(env: Any = None) -> bool:
+    """Whether :data:`ENV_FAB_CACHE` leaves the cache on (unset or empty: on)."""
+    raw = (os.environ if env is None else env).get(ENV_FAB_CACHE, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_FAB_CACHE}={raw!r} must be 0 or 1")
+
+
+def _marker(home: Path, digest: str) -> Path:
+    return home / MARKER_DIR / digest
+
+
+def _write_marker(marker: Path, installed: Path) -> None:
+    """Write ``installed`` into ``marker`` atomically (a concurrent ClientApp sees the old file or the new one)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(str(installed))
+    os.replace(tmp, marker)
+
+
+def make_cached_install(flower_install: Any, flwr_home: Any) -> Any:
+    """``install_from_fab`` with the cache in front of ``flower_install``; ``flwr_home()`` gives ``FLWR_HOME``."""
+
+    def cached_install_from_fab(fab_file: Any, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
+        if not isinstance(fab_file, bytes) or install_dir is not None:
+            return flower_install(fab_file, install_dir=install_dir, skip_prompt=skip_prompt)
+        marker = _marker(Path(flwr_home()), hashlib.sha256(fab_file).hexdigest())
+        try:
+            installed = Path(marker.read_text())
+        except (OSError, ValueError):
+            installed = None
+        if installed is not None and installed.is_dir():
+            return installed
+        path = Path(flower_install(fab_file, install_dir=None, skip_prompt=skip_prompt))
+        try:
+            _write_marker(marker, path)
+        except OSError as err:  # no marker: the next message installs through Flower again
+            log.debug("pgvi fab cache: could not write %s: %s", marker, err)
+        return path
+
+    cached_install_from_fab.pgvi_fab_cache = True  # type: ignore[attr-defined]
+    return cached_install_from_fab
+
+
+def install() -> bool:
+    """Put :func:`make_cached_install`'s function in place of ``install_from_fab`` in Flower's ``run_clientapp``
+    module (this process only).  False, with one warning, if this Flower is not the one it was written for."""
+    problem = version_problem()
+    if problem is None:
+        try:
+            module = importlib.import_module(MODULE)
+            current = getattr(module, NAME)
+            from flwr.supercore.utils import get_flwr_home
+        except (ImportError, AttributeError) as err:
+            problem = f"{MODULE}.{NAME} not found ({err})"
+    if problem is not None:
+        log.warning("pgvi fab cache: %s; FABs are installed by Flower for every message", problem)
+        return False
+    if not getattr(current, "pgvi_fab_cache", False):
+        setattr(module, NAME, make_cached_install(current, get_flwr_home))
+    return True

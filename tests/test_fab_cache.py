@@ -1,0 +1,194 @@
+"""client/fab_cache.py: a forked ClientApp installs a FAB through Flower once per node, not once per message.
+
+Real FABs built by ``flwr build`` from a two-file app, installed into a temporary ``FLWR_HOME`` by Flower's own
+``install_from_fab``; the cache in front of it is checked for what it skips and, above all, what it must not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import click
+import pytest
+from flwr.cli.install import install_from_fab
+from flwr.supercore.utils import get_flwr_home
+
+from client import fab_cache
+
+FLWR = Path(sys.executable).parent / "flwr"
+PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "tiny"
+version = "{version}"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "pgvitest"
+
+[tool.flwr.app.components]
+serverapp = "tiny.app:server"
+clientapp = "tiny.app:client"
+
+[tool.flwr.app.config]
+x = 1
+"""
+
+
+def _build_fab(where: Path, version: str, body: str = "client = server = None\n") -> bytes:
+    app = where / f"tiny-{version.replace('.', '-')}"  # Flower: letters, digits, hyphens
+    (app / "tiny").mkdir(parents=True)
+    (app / "pyproject.toml").write_text(PYPROJECT.format(version=version))
+    (app / "tiny" / "__init__.py").write_text("")
+    (app / "tiny" / "app.py").write_text(body)
+    res = subprocess.run([str(FLWR), "build", "--app", str(app)], cwd=where, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (fab,) = where.glob(f"pgvitest.tiny.{version.replace('.', '-')}.*.fab")
+    return fab.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def fabs(tmp_path_factory) -> dict[str, bytes]:
+    where = tmp_path_factory.mktemp("fabs")
+    return {"a": _build_fab(where, "1.0.0"), "b": _build_fab(where, "1.0.1", "client = server = 1\n")}
+
+
+class Counting:
+    """Flower's ``install_from_fab``, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, fab_file, install_dir=None, skip_prompt=False):
+        self.calls += 1
+        return install_from_fab(fab_file, install_dir=install_dir, skip_prompt=skip_prompt)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    return tmp_path / "flwr-home"
+
+
+def test_second_install_of_the_same_bytes_skips_flowers_extraction(fabs, home):
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    first = cached(fabs["a"], skip_prompt=True)
+    assert flower.calls == 1 and first.is_dir() and first.parent == home / "apps"
+    assert (first / "tiny" / "app.py").read_text() == "client = server = None\n"
+    again = [cached(fabs["a"], skip_prompt=True) for _ in range(3)]
+    assert flower.calls == 1 and again == [first] * 3
+    assert install_from_fab(fabs["a"], skip_prompt=True) == first  # the directory Flower itself returns
+
+
+def test_other_bytes_go_through_flower(fabs, home):
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    a, b = cached(fabs["a"], skip_prompt=True), cached(fabs["b"], skip_prompt=True)
+    assert flower.calls == 2 and a != b and (b / "tiny" / "app.py").read_text() == "client = server = 1\n"
+    assert cached(fabs["b"], skip_prompt=True) == b and flower.calls == 2
+    assert sorted(p.name for p in (home / fab_cache.MARKER_DIR).iterdir()) == sorted(
+        __import__("hashlib").sha256(f).hexdigest() for f in fabs.values())
+
+
+def test_a_removed_install_is_installed_again(fabs, home):
+    import shutil
+
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    path = cached(fabs["a"], skip_prompt=True)
+    shutil.rmtree(path)
+    assert cached(fabs["a"], skip_prompt=True) == path and flower.calls == 2 and path.is_dir()
+
+
+def test_a_tampered_fab_is_refused_by_flower_and_never_marked(fabs, home):
+    """Same length, one file changed inside: the bytes' digest differs from the installed FAB's, so Flower's
+    manifest check runs, and refuses it; no marker is written for it, however often it is sent."""
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    cached(fabs["a"], skip_prompt=True)
+    src = zipfile.ZipFile(io.BytesIO(fabs["a"]))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as out:
+        for info in src.infolist():
+            data = src.read(info)
+            out.writestr(info, data.replace(b"None", b"Nope") if info.filename.endswith("app.py") else data)
+    bad = buf.getvalue()
+    for _ in range(2):
+        with pytest.raises(click.ClickException, match="hashes couldn't be verified"):
+            cached(bad, skip_prompt=True)
+    assert flower.calls == 3
+    assert len(list((home / fab_cache.MARKER_DIR).iterdir())) == 1
+
+
+def test_a_marker_pointing_nowhere_or_garbage_falls_back_to_flower(fabs, home):
+    import hashlib
+
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    marker = home / fab_cache.MARKER_DIR / hashlib.sha256(fabs["a"]).hexdigest()
+    marker.parent.mkdir(parents=True)
+    marker.write_text(str(home / "no-such-dir"))
+    path = cached(fabs["a"], skip_prompt=True)
+    assert flower.calls == 1 and marker.read_text() == str(path)
+    marker.write_bytes(b"\xff\xfe\x00")  # not text
+    assert cached(fabs["a"], skip_prompt=True) == path and flower.calls == 2
+
+
+def test_paths_and_other_install_dirs_are_flowers(fabs, home, tmp_path):
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    elsewhere = tmp_path / "elsewhere"
+    for _ in range(2):
+        assert cached(fabs["a"], install_dir=elsewhere, skip_prompt=True).parent == elsewhere / "apps"
+    digest = __import__("hashlib").sha256(fabs["a"]).hexdigest()
+    fab_path = tmp_path / f"pgvitest.tiny.1-0-0.{digest[:8]}.fab"  # the name Flower checks against the content
+    fab_path.write_bytes(fabs["a"])
+    for _ in range(2):
+        assert cached(fab_path, skip_prompt=True).parent == home / "apps"
+    assert flower.calls == 4 and not (home / fab_cache.MARKER_DIR).exists()
+
+
+def test_install_replaces_flowers_name_once(monkeypatch):
+    module = importlib.import_module(fab_cache.MODULE)
+    monkeypatch.setattr(module, fab_cache.NAME, install_from_fab)
+    assert fab_cache.install() is True
+    patched = getattr(module, fab_cache.NAME)
+    assert patched is not install_from_fab and patched.pgvi_fab_cache
+    assert fab_cache.install() is True and getattr(module, fab_cache.NAME) is patched  # not wrapped twice
+
+
+def test_install_refuses_another_flower_version(monkeypatch, caplog):
+    module = importlib.import_module(fab_cache.MODULE)
+    monkeypatch.setattr(module, fab_cache.NAME, install_from_fab)
+    monkeypatch.setattr(fab_cache, "version_problem", lambda: "flwr 1.40.0 is not 1.39.x")
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert fab_cache.install() is False
+    assert getattr(module, fab_cache.NAME) is install_from_fab
+    assert "FABs are installed by Flower for every message" in caplog.text
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, True), ("", True), ("1", True), (" on ", True),
+                                               ("0", False), ("false", False), ("OFF", False)])
+def test_enabled_from_env(raw, expected):
+    env = {} if raw is None else {fab_cache.ENV_FAB_CACHE: raw}
+    assert fab_cache.enabled_from_env(env) is expected
+
+
+def test_module_refuses_a_bad_fab_cache_value():
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "client.preforked_superexec", "--help"], cwd=repo,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PGVI_FAB_CACHE": "maybe"})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == ["pgvi-superexec: PGVI_FAB_CACHE='maybe' must be 0 or 1"]
