@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import sys
-import threading
 import time as _time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from typing import Any
 
 from client import object_pulls
 from client.flower_version import version_problem
+from common.backoff import GeometricBackoff
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperNode's own lines
 
@@ -107,24 +107,23 @@ class Pacing:
             raise ValueError(f"{err} (from {set_vars})") from None
 
 
-class Backoff:
+class Backoff(GeometricBackoff):
     """The idle waits: ``pull_min``, then ``factor`` times the previous one, capped at ``pull_max``;
-    :meth:`reset` (a message arrived) starts again at ``pull_min``.  Thread-safe."""
+    :meth:`reset` (a message arrived) starts again at ``pull_min``.  Setting :attr:`pacing` applies new waits.
+    Thread-safe."""
 
     def __init__(self, pacing: Pacing) -> None:
-        self.pacing = pacing
-        self._next = pacing.pull_min
-        self._lock = threading.Lock()
+        super().__init__(pacing.pull_min, pacing.pull_max, pacing.factor)
+        self._pacing = pacing
 
-    def reset(self) -> None:
-        with self._lock:
-            self._next = self.pacing.pull_min
+    @property
+    def pacing(self) -> Pacing:
+        return self._pacing
 
-    def next_wait(self) -> float:
-        with self._lock:
-            wait = self._next
-            self._next = min(self.pacing.pull_max, wait * self.pacing.factor)
-            return wait
+    @pacing.setter
+    def pacing(self, pacing: Pacing) -> None:
+        self.configure(pacing.pull_min, pacing.pull_max, pacing.factor)
+        self._pacing = pacing
 
 
 class PacedTime:

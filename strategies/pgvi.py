@@ -53,6 +53,7 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPu
 
 from common import protocol as P
 from common.aggregation import make_aggregator
+from common.backoff import GeometricBackoff
 from common.errors import PGVIError
 from common.factors import PGVIServerState, UpdateRejected
 from common.families import GaussianFactor
@@ -65,6 +66,7 @@ ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
 T = TypeVar("T")
 _RETRY_BACKOFF_MAX = 5.0  # seconds between two attempts of a failing Runtime API call, at most
 _QUERY_TIMEOUT_MAX = 60.0  # seconds a mid-run identity query may block the schedule
+POLL_FACTOR = 1.5  # growth of the wait between two pulls for replies while none arrives (up to poll_max)
 _REQUERY_FIRST, _REQUERY_MAX = 30.0, 600.0  # backoff before asking an unidentified node again (doubles)
 
 
@@ -230,7 +232,8 @@ class PGVIStrategy(Strategy):
         *,
         server_evaluate: ServerEvaluate | None = None,
         on_round_end: Callable[[int, dict[str, float]], None] | None = None,
-        poll_interval: float = 0.2,
+        poll_interval: float = 0.1,
+        poll_max: float = 1.0,
         checkpoint_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
         retry_backoff: float = 0.5,
@@ -244,7 +247,9 @@ class PGVIStrategy(Strategy):
         self.rejections: list[dict[str, object]] = []
         self.server_evaluate = server_evaluate
         self.on_round_end = on_round_end
-        self.poll_interval = poll_interval
+        # waiting for replies: polls back off from poll_interval to poll_max (x POLL_FACTOR) until one arrives
+        GeometricBackoff(poll_interval, poll_max, POLL_FACTOR)  # a bad pair fails here, not in round 1
+        self.poll_interval, self.poll_max = poll_interval, poll_max
         self.retry_backoff = retry_backoff  # first wait after a transient Runtime API error (doubles per retry)
         self.rng = random.Random(self.cfg.seed)
         self.rho = self.cfg.rho()
@@ -512,6 +517,7 @@ class PGVIStrategy(Strategy):
         deadline = time.time() + timeout * num_rounds
 
         resolved = 0  # messages of this round that got their outcome (a reply, a failure or a timeout)
+        poll = self._reply_poll()
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
             nonlocal resolved
@@ -545,6 +551,8 @@ class PGVIStrategy(Strategy):
                         inflight[mid] = (msg.metadata.dst_node_id, time.time(), self.state.version)
                         busy.add(msg.metadata.dst_node_id)
                     stats.sent += len(msgs)
+            if free:
+                poll.reset()
             replies = []
             if inflight:
                 with stats.timed("wait"):
@@ -581,9 +589,11 @@ class PGVIStrategy(Strategy):
                     resolved += 1
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)
-            if not replies:
+            if replies:
+                poll.reset()
+            else:
                 with stats.timed("wait"):
-                    time.sleep(self.poll_interval)
+                    time.sleep(poll.next_wait())
         # let in-flight replies arrive so that no client is left with an unresolved pending update
         if inflight:
             late = self._collect(grid, {mid: v[0] for mid, v in inflight.items()}, min(timeout, 5.0))
@@ -773,6 +783,7 @@ class PGVIStrategy(Strategy):
         ids = set(sent_to)
         out: list[Message] = []
         end = time.time() + timeout
+        poll = self._reply_poll()
         while ids and time.time() < end:
             got = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(ids))), end)
             if got is None:
@@ -780,13 +791,22 @@ class PGVIStrategy(Strategy):
             self._attribute(got, sent_to)
             out.extend(got)
             ids.difference_update(m.metadata.reply_to_message_id for m in got)
-            if ids and not got:
-                time.sleep(self.poll_interval)
+            if got:
+                poll.reset()
+            elif ids:
+                time.sleep(poll.next_wait())
         return out
+
+    def _reply_poll(self) -> GeometricBackoff:
+        """The waits between pulls for replies: ``poll_interval`` after a push or an arrival, growing by
+        :data:`POLL_FACTOR` up to ``poll_max`` while nothing arrives.  Replies come in bursts at the end of the
+        clients' work; every pull is an HTTP request that costs the SuperLink about 8 ms of CPU (Flower 1.39,
+        ``docs/bench_network.md`` section 1k), so a fixed fast poll during minutes of local training is wasted."""
+        return GeometricBackoff(self.poll_interval, self.poll_max, POLL_FACTOR)
 
     def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float,
                           stats: RoundStats | None = None, after_push: Callable[[], None] | None = None) -> list[Message]:
-        """Like ``Grid.send_and_receive`` but polling every ``poll_interval`` s (the HTTP grid polls every 3 s).
+        """Like ``Grid.send_and_receive`` but polling with :meth:`_reply_poll`'s back-off (the HTTP grid polls every 3 s).
 
         Pushing and pulling share the ``timeout``; messages that could not be pushed in time get no reply.
         With ``stats``, the push and the wait for the replies are timed as its ``push`` and ``wait`` phases.
