@@ -22,7 +22,8 @@ Settings come from the environment, validated before the node starts (a bad valu
 :data:`ENV_PULL_MIN` (default 0.1 s), :data:`ENV_PULL_MAX` (3 s), :data:`ENV_FACTOR` (1.5),
 :data:`ENV_REPLY_POLL` (0.1 s).  The node also asks the SuperLink again for an object of a message that is
 still arriving after ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s) instead of Flower's 1 s
-(``client/object_pulls.py``).
+(``client/object_pulls.py``), and its Fleet channel runs no connectivity-polling thread for DEBUG logs only
+(``client/channel_watch.py``).
 
 Installation into Flower: the loop looks up ``time`` and ``_pull_and_store_message`` in its module's globals at
 call time; :func:`install` replaces the first with a stand-in whose ``sleep`` maps Flower's two wait lengths
@@ -45,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from client import object_pulls
+from client import channel_watch, object_pulls
 from client.flower_version import version_problem
 from common.backoff import GeometricBackoff
 
@@ -212,9 +213,9 @@ def uninstall() -> None:
 
 
 def main() -> None:
-    """``flower-supernode`` (same arguments), with paced pulls when this Flower allows it, and its first retry
+    """``flower-supernode`` (same arguments), with paced pulls when this Flower allows it, its first retry
     of a message's object not yet at the SuperLink after ``$PGVI_OBJECT_PULL_RETRY_S`` (default 0.05 s,
-    ``client/object_pulls.py``)."""
+    ``client/object_pulls.py``), and no connectivity polling thread for DEBUG logs (``client/channel_watch.py``)."""
     try:
         pacing = Pacing.from_env()
         initial_retry = object_pulls.initial_retry_from_env()
@@ -226,6 +227,8 @@ def main() -> None:
                  pacing.pull_min, pacing.factor, pacing.pull_max, pacing.reply_poll)
     if object_pulls.set_initial_retry(initial_retry):
         log.info("pgvi-supernode: first retry of an object not yet at the SuperLink after %s s", initial_retry)
+    if channel_watch.install():
+        log.info("pgvi-supernode: the Fleet channel's connectivity is not polled for DEBUG logs")
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     flower_supernode()

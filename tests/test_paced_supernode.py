@@ -273,6 +273,7 @@ def test_paced_supernode_deployment_matches_inprocess(tmp_path):
         assert "pgvi-supernode: idle pulls after 0.1 s, x1.5, up to 3.0 s; reply checks every 0.1 s" in text
         assert "running Flower's SuperNode unchanged" not in text
         assert "pgvi-supernode: first retry of an object not yet at the SuperLink after 0.05 s" in text
+        assert "pgvi-supernode: the Fleet channel's connectivity is not polled for DEBUG logs" in text
     (run_dir,) = [p for p in out.iterdir() if p.name == f"run-{res.run_id}"]
     post = dict(np.load(run_dir / "posterior.npz"))
     summary = json.loads((run_dir / "summary.json").read_text())
