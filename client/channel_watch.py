@@ -4,8 +4,9 @@ Flower 1.39's SuperNode (``flwr.client.grpc_rere_client.connection.grpc_request_
 ``flwr.supercore.grpc.on_channel_state_change`` to its channel's connectivity; that callback only logs the new
 state at DEBUG.  grpcio implements a subscription with a thread that calls ``watch_connectivity_state`` with a
 0.2-s deadline in a loop for as long as the channel lives (``grpc/_channel.py``: "We'd rather not poll").  On an
-idle paced SuperNode that thread and the gRPC core work it causes are about 3 of its 7-8 ms of CPU per second
-(``docs/bench_network.md`` section 1l): 0.6 CPU-s per round for ten nodes here, and idle power on a small board.
+idle paced SuperNode that thread and the gRPC core work it causes are about 3 of its 6.5-8.5 ms of CPU per second
+(``docs/bench_network.md`` section 1l), which matters to a node that waits between rounds, e.g. on a small
+board.  (In busy 10-node rounds here the saving, about 0.6 CPU-s a round by that figure, was not measurable.)
 
 :func:`install` replaces the name ``create_channel`` in that module with a wrapper that returns Flower's channel
 with one change: ``subscribe`` ignores exactly Flower's log-only callback, unless a handler of the ``flwr``
@@ -51,19 +52,26 @@ class QuietSubscribe:
         self._channel = channel
         self._skipped = skipped
         self._debug_shown = debug_shown
-
-    def _quiet(self, callback: Any) -> bool:
-        return callback is self._skipped and not (self._debug_shown or debug_logged)()
+        self._dropped = 0  # subscriptions of ``skipped`` not passed on (unsubscribe drops as many)
 
     def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
-        if not try_to_connect and self._quiet(callback):
+        if callback is self._skipped and not try_to_connect and not (self._debug_shown or debug_logged)():
+            self._dropped += 1
             return
         self._channel.subscribe(callback, try_to_connect=try_to_connect)
 
     def unsubscribe(self, callback: Any) -> None:
-        if self._quiet(callback):
+        if callback is self._skipped and self._dropped:
+            self._dropped -= 1
             return
         self._channel.unsubscribe(callback)
+
+    def __enter__(self) -> QuietSubscribe:
+        self._channel.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._channel.__exit__(*exc)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._channel, name)

@@ -4,14 +4,15 @@ Flower 1.39's ``run_clientapp`` calls ``flwr.cli.install.install_from_fab(fab_by
 every message: it extracts the whole FAB into a temporary directory, checks every file against the FAB's
 ``.info/CONTENT`` manifest, and only then finds the app installed under
 ``$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`` and returns that directory.  For this project's FAB
-(62 files, 600 kB) that is about 90 ms of a forked ClientApp's 330 ms on an idle machine (py-spy, rounds of the
-conjugate model; ``docs/bench_network.md`` section 4c).
+(64 files, 624 kB) that is 15-40 ms of CPU per message here, against 0.5 ms with the cache
+(``scripts/bench_fab_install.py``, ``docs/bench_network.md`` section 4c).
 
-:func:`install` replaces the name ``install_from_fab`` in ``flwr.supernode.runtime.run_clientapp`` with
-:func:`cached_install_from_fab`, which first computes the SHA-256 of the FAB's bytes (Flower names the install
+:func:`install` replaces the name ``install_from_fab`` in ``flwr.supernode.runtime.run_clientapp`` with the
+function :func:`make_cached_install` builds, which first computes the SHA-256 of the FAB's bytes (Flower names the install
 directory after the same digest).  If an earlier call in this node's ``FLWR_HOME`` installed exactly these bytes
-(a marker file named after the full digest holds the directory Flower returned) and that directory still exists,
-it returns the directory at once.  Otherwise it calls Flower's function unchanged and, when that returns, writes
+(a marker file named after the full digest, kept per Flower version, holds the directory Flower returned) and that
+directory is still the one Flower would use for these bytes under this ``FLWR_HOME`` and holds the app, it returns
+the directory at once.  Otherwise it calls Flower's function unchanged and, when that returns, writes
 the marker.  So a FAB is extracted and verified by Flower at least once per node and ``FLWR_HOME``, and the
 bytes that skip it are identical, digest for digest, to bytes that passed it.
 
@@ -24,10 +25,13 @@ environment).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import importlib.metadata
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +41,11 @@ log = logging.getLogger("flwr")
 
 MODULE = "flwr.supernode.runtime.run_clientapp"
 NAME = "install_from_fab"
-#: The markers' directory under ``FLWR_HOME``; one file per installed FAB, named by its full SHA-256.
+#: The markers' directory under ``FLWR_HOME``; per Flower version, one file per installed FAB, named by its full
+#: SHA-256 and holding the directory Flower installed it to.
 MARKER_DIR = ".pgvi-installed-fabs"
+#: Flower 1.39's ``APP_DIR`` and ``FAB_HASH_TRUNCATION``: it installs a FAB to ``<FLWR_HOME>/apps/...<8 hex>``.
+APPS_DIR, HASH_PREFIX = "apps", 8
 #: Environment variable: ``0`` / ``false`` / ``no`` / ``off`` turn the cache off.
 ENV_FAB_CACHE = "PGVI_FAB_CACHE"
 
@@ -53,30 +60,54 @@ def enabled_from_env(env: Any = None) -> bool:
     raise ValueError(f"{ENV_FAB_CACHE}={raw!r} must be 0 or 1")
 
 
-def _marker(home: Path, digest: str) -> Path:
-    return home / MARKER_DIR / digest
+def _marker(home: Path, flwr_version: str, digest: str) -> Path:
+    return home / MARKER_DIR / flwr_version / digest
 
 
 def _write_marker(marker: Path, installed: Path) -> None:
-    """Write ``installed`` into ``marker`` atomically (a concurrent ClientApp sees the old file or the new one)."""
+    """Write ``installed`` into ``marker`` atomically and durably (a concurrent ClientApp, or one after a power
+    loss, sees the old file, the new one or none, never a partial one)."""
     marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
-    tmp.write_text(str(installed))
-    os.replace(tmp, marker)
+    fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=f".{marker.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(str(installed))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
-def make_cached_install(flower_install: Any, flwr_home: Any) -> Any:
-    """``install_from_fab`` with the cache in front of ``flower_install``; ``flwr_home()`` gives ``FLWR_HOME``."""
+def _installed_dir(marker: Path, home: Path, digest: str) -> Path | None:
+    """The directory ``marker`` names if it is the one Flower installs these bytes to under ``home``
+    (``<home>/apps/<publisher>.<name>.<version>.<first 8 hex digits>``) and it still holds the app; else None."""
+    try:
+        text = marker.read_text()
+    except (OSError, ValueError):
+        return None
+    installed = Path(text)
+    if not text or not installed.is_absolute() or installed.parent != home / APPS_DIR:
+        return None
+    if not installed.name.endswith("." + digest[:HASH_PREFIX]) or not (installed / "pyproject.toml").is_file():
+        return None
+    return installed
+
+
+def make_cached_install(flower_install: Any, flwr_home: Any, flwr_version: str = "unknown") -> Any:
+    """``install_from_fab`` with the cache in front of ``flower_install``; ``flwr_home()`` gives ``FLWR_HOME``;
+    markers are kept per ``flwr_version`` (a new Flower installs every FAB through its own checks once)."""
 
     def cached_install_from_fab(fab_file: Any, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
         if not isinstance(fab_file, bytes) or install_dir is not None:
             return flower_install(fab_file, install_dir=install_dir, skip_prompt=skip_prompt)
-        marker = _marker(Path(flwr_home()), hashlib.sha256(fab_file).hexdigest())
-        try:
-            installed = Path(marker.read_text())
-        except (OSError, ValueError):
-            installed = None
-        if installed is not None and installed.is_dir():
+        home = Path(flwr_home())
+        digest = hashlib.sha256(fab_file).hexdigest()
+        marker = _marker(home, flwr_version, digest)
+        installed = _installed_dir(marker, home, digest)
+        if installed is not None:
             return installed
         path = Path(flower_install(fab_file, install_dir=None, skip_prompt=skip_prompt))
         try:
@@ -104,5 +135,5 @@ def install() -> bool:
         log.warning("pgvi fab cache: %s; FABs are installed by Flower for every message", problem)
         return False
     if not getattr(current, "pgvi_fab_cache", False):
-        setattr(module, NAME, make_cached_install(current, get_flwr_home))
+        setattr(module, NAME, make_cached_install(current, get_flwr_home, importlib.metadata.version("flwr")))
     return True

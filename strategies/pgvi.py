@@ -592,8 +592,10 @@ class PGVIStrategy(Strategy):
             if replies:
                 poll.reset()
             else:
+                # wake for the run's deadline and the next in-flight message's timeout, whatever the back-off
+                wake = min([deadline] + [sent + timeout for _, sent, _ in inflight.values()])
                 with stats.timed("wait"):
-                    time.sleep(poll.next_wait())
+                    time.sleep(min(poll.next_wait(), max(0.0, wake - time.time())))
         # let in-flight replies arrive so that no client is left with an unresolved pending update
         if inflight:
             late = self._collect(grid, {mid: v[0] for mid, v in inflight.items()}, min(timeout, 5.0))
@@ -794,7 +796,7 @@ class PGVIStrategy(Strategy):
             if got:
                 poll.reset()
             elif ids:
-                time.sleep(poll.next_wait())
+                time.sleep(min(poll.next_wait(), max(0.0, end - time.time())))
         return out
 
     def _reply_poll(self) -> GeometricBackoff:

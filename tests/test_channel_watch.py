@@ -69,12 +69,16 @@ def test_only_flowers_log_callback_is_skipped_and_only_without_debug():
     quiet.subscribe(mine)
     quiet.subscribe(flower_cb, try_to_connect=True)  # asks gRPC to connect: not ours to drop
     assert fake.subscribed == [(mine, False), (flower_cb, True)]
-    quiet.unsubscribe(flower_cb)
+    quiet.unsubscribe(flower_cb)  # the one dropped
     quiet.unsubscribe(mine)
     assert fake.unsubscribed == [mine]
     shown[0] = True  # FLWR_LOG_LEVEL=DEBUG: the states are logged as before
     quiet.subscribe(flower_cb)
     assert fake.subscribed[-1] == (flower_cb, False)
+    shown[0] = False  # unsubscribing follows what subscribe did, not the level now
+    quiet.unsubscribe(flower_cb)  # the try_to_connect one, passed on
+    quiet.unsubscribe(flower_cb)  # the DEBUG one, passed on
+    assert fake.unsubscribed == [mine, flower_cb, flower_cb]
     quiet.close()  # everything else is the channel's
     assert fake.closed
 
@@ -100,6 +104,8 @@ def test_install_stops_the_polling_thread_of_a_real_flower_channel(restore, monk
     assert not _polling(ch)
     assert isinstance(ch.unary_unary("/x/y"), grpc.UnaryUnaryMultiCallable)  # the rest is the channel's
     ch.close()
+    with FLOWER.create_channel("127.0.0.1:1", insecure=True) as ctx:  # as a context manager, like grpc's
+        assert isinstance(ctx, cw.QuietSubscribe)
     cw.uninstall()
     assert not getattr(FLOWER.create_channel, "_pgvi_quiet", False)
 

@@ -96,7 +96,7 @@ def test_other_bytes_go_through_flower(fabs, home):
     a, b = cached(fabs["a"], skip_prompt=True), cached(fabs["b"], skip_prompt=True)
     assert flower.calls == 2 and a != b and (b / "tiny" / "app.py").read_text() == "client = server = 1\n"
     assert cached(fabs["b"], skip_prompt=True) == b and flower.calls == 2
-    assert sorted(p.name for p in (home / fab_cache.MARKER_DIR).iterdir()) == sorted(
+    assert sorted(p.name for p in (home / fab_cache.MARKER_DIR / "unknown").iterdir()) == sorted(
         __import__("hashlib").sha256(f).hexdigest() for f in fabs.values())
 
 
@@ -127,21 +127,35 @@ def test_a_tampered_fab_is_refused_by_flower_and_never_marked(fabs, home):
         with pytest.raises(click.ClickException, match="hashes couldn't be verified"):
             cached(bad, skip_prompt=True)
     assert flower.calls == 3
-    assert len(list((home / fab_cache.MARKER_DIR).iterdir())) == 1
+    assert len(list((home / fab_cache.MARKER_DIR / "unknown").iterdir())) == 1
 
 
-def test_a_marker_pointing_nowhere_or_garbage_falls_back_to_flower(fabs, home):
+def test_a_marker_that_does_not_name_these_bytes_install_falls_back_to_flower(fabs, home, tmp_path):
+    """Empty (as after a power loss before the rename), not text, a missing or relative directory, another FAB's
+    directory, a directory outside FLWR_HOME/apps, one without the app: Flower installs, the marker is rewritten."""
     import hashlib
 
     flower = Counting()
     cached = fab_cache.make_cached_install(flower, get_flwr_home)
-    marker = home / fab_cache.MARKER_DIR / hashlib.sha256(fabs["a"]).hexdigest()
-    marker.parent.mkdir(parents=True)
-    marker.write_text(str(home / "no-such-dir"))
-    path = cached(fabs["a"], skip_prompt=True)
-    assert flower.calls == 1 and marker.read_text() == str(path)
-    marker.write_bytes(b"\xff\xfe\x00")  # not text
-    assert cached(fabs["a"], skip_prompt=True) == path and flower.calls == 2
+    path_b = cached(fabs["b"], skip_prompt=True)
+    path_a = cached(fabs["a"], skip_prompt=True)
+    marker = home / fab_cache.MARKER_DIR / "unknown" / hashlib.sha256(fabs["a"]).hexdigest()
+    assert marker.read_text() == str(path_a) and flower.calls == 2
+    outside = tmp_path / "apps" / path_a.name  # the right name under another FLWR_HOME
+    (outside / "tiny").mkdir(parents=True)
+    (outside / "pyproject.toml").write_text("")
+    for bad in ("", "\xff\xfe", str(home / "no-such-dir"), "apps/x", str(path_b), str(outside), str(home / "apps")):
+        marker.write_bytes(bad.encode("latin-1"))
+        calls = flower.calls
+        assert cached(fabs["a"], skip_prompt=True) == path_a
+        assert flower.calls == calls + 1, bad
+        assert cached(fabs["a"], skip_prompt=True) == path_a != path_b and marker.read_text() == str(path_a)
+        assert flower.calls == calls + 1  # the rewritten marker serves the next message
+    (path_a / "pyproject.toml").unlink()  # an install without its app: Flower's (which finds it "installed")
+    calls = flower.calls
+    cached(fabs["a"], skip_prompt=True)
+    assert flower.calls == calls + 1
+    assert not [p.name for p in marker.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary files left
 
 
 def test_paths_and_other_install_dirs_are_flowers(fabs, home, tmp_path):
@@ -158,13 +172,21 @@ def test_paths_and_other_install_dirs_are_flowers(fabs, home, tmp_path):
     assert flower.calls == 4 and not (home / fab_cache.MARKER_DIR).exists()
 
 
-def test_install_replaces_flowers_name_once(monkeypatch):
+def test_install_replaces_flowers_name_once(monkeypatch, fabs, home):
     module = importlib.import_module(fab_cache.MODULE)
     monkeypatch.setattr(module, fab_cache.NAME, install_from_fab)
     assert fab_cache.install() is True
     patched = getattr(module, fab_cache.NAME)
     assert patched is not install_from_fab and patched.pgvi_fab_cache
     assert fab_cache.install() is True and getattr(module, fab_cache.NAME) is patched  # not wrapped twice
+    import contextlib
+    import hashlib
+    from importlib.metadata import version as installed_version
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        path = patched(fabs["a"], skip_prompt=True)
+    version = installed_version("flwr")  # markers are kept per Flower version
+    assert (home / fab_cache.MARKER_DIR / version / hashlib.sha256(fabs["a"]).hexdigest()).read_text() == str(path)
 
 
 def test_install_refuses_another_flower_version(monkeypatch, caplog):

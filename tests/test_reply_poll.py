@@ -87,6 +87,36 @@ def test_collect_pulls_again_at_once_after_a_partial_batch(slept):
     assert slept == [0.1] and grid.pulls == 4
 
 
+class FakeClock:
+    """``time`` for the strategy module: ``sleep`` advances ``time()`` instead of waiting."""
+
+    def __init__(self) -> None:
+        import time as real
+
+        self._real, self.now, self.slept = real, 1_000_000.0, []
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_collect_never_sleeps_past_its_timeout(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(pgvi, "time", clock)
+    strategy = PGVIStrategy(build_problem(parse_run_config(BASE)), poll_interval=0.1, poll_max=1.0)
+    start = clock.now
+    assert strategy._collect(ScriptedGrid([]), {"a": 1}, timeout=2.0) == []
+    assert clock.now - start == pytest.approx(2.0)  # the back-off alone would have slept 3.08 s by then
+    assert clock.slept[-1] < 1.0 and sum(clock.slept) == pytest.approx(2.0)
+
+
 def test_asynchronous_schedule_backs_off_between_replies_and_matches_the_exact_posterior(slept):
     """Replies held back for some pulls: the loop's waits grow by POLL_FACTOR while nothing arrives, up to
     ``poll_max``, and start again at ``poll_interval`` after a reply or a push; the posterior is the exact one."""
