@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 
 import grpc
 import pytest
@@ -96,6 +97,10 @@ def test_install_stops_the_polling_thread_of_a_real_flower_channel(restore, monk
     before.subscribe(FLOWER.on_channel_state_change)
     assert _polling(before)  # Flower's channel: grpcio starts its polling thread
     before.unsubscribe(FLOWER.on_channel_state_change)
+    deadline = time.monotonic() + 10
+    while _polling(before) and time.monotonic() < deadline:  # the thread ends at its next 0.2-s wake-up; closing
+        time.sleep(0.05)  # the channel before that makes it raise "Channel closed!" in its thread
+    assert not _polling(before)
     before.close()
     assert cw.install() is True
     assert cw.install() is True and not getattr(FLOWER.create_channel._pgvi_original, "_pgvi_quiet", False)
