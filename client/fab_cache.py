@@ -25,17 +25,16 @@ environment).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import importlib.metadata
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from client.flower_version import version_problem
+from common.atomic_io import atomic_write
 
 log = logging.getLogger("flwr")
 
@@ -62,23 +61,6 @@ def enabled_from_env(env: Any = None) -> bool:
 
 def _marker(home: Path, flwr_version: str, digest: str) -> Path:
     return home / MARKER_DIR / flwr_version / digest
-
-
-def _write_marker(marker: Path, installed: Path) -> None:
-    """Write ``installed`` into ``marker`` atomically and durably (a concurrent ClientApp, or one after a power
-    loss, sees the old file, the new one or none, never a partial one)."""
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=f".{marker.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(str(installed))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, marker)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _installed_dir(marker: Path, home: Path, digest: str) -> Path | None:
@@ -110,8 +92,8 @@ def make_cached_install(flower_install: Any, flwr_home: Any, flwr_version: str =
         if installed is not None:
             return installed
         path = Path(flower_install(fab_file, install_dir=None, skip_prompt=skip_prompt))
-        try:
-            _write_marker(marker, path)
+        try:  # temp file + fsync + rename: a concurrent ClientApp, or one after a power loss, never reads a torn marker
+            atomic_write(marker, lambda f: f.write(str(path).encode()))
         except OSError as err:  # no marker: the next message installs through Flower again
             log.debug("pgvi fab cache: could not write %s: %s", marker, err)
         return path
