@@ -38,13 +38,19 @@ from common.atomic_io import atomic_write
 
 log = logging.getLogger("flwr")
 
+try:  # guarded: with another Flower, install() refuses and changes nothing
+    # Flower installs a FAB to <FLWR_HOME>/<APP_DIR>/<publisher>.<name>.<version>.<first FAB_HASH_TRUNCATION hex>
+    from flwr.common.constant import APP_DIR, FAB_HASH_TRUNCATION
+
+    _FLOWER_IMPORT_ERROR: ImportError | None = None
+except ImportError as _err:  # pragma: no cover - only with an incompatible Flower
+    _FLOWER_IMPORT_ERROR = _err
+
 MODULE = "flwr.supernode.runtime.run_clientapp"
 NAME = "install_from_fab"
 #: The markers' directory under ``FLWR_HOME``; per Flower version, one file per installed FAB, named by its full
 #: SHA-256 and holding the directory Flower installed it to.
 MARKER_DIR = ".pgvi-installed-fabs"
-#: Flower 1.39's ``APP_DIR`` and ``FAB_HASH_TRUNCATION``: it installs a FAB to ``<FLWR_HOME>/apps/...<8 hex>``.
-APPS_DIR, HASH_PREFIX = "apps", 8
 #: Environment variable: ``0`` / ``false`` / ``no`` / ``off`` turn the cache off.
 ENV_FAB_CACHE = "PGVI_FAB_CACHE"
 
@@ -71,9 +77,9 @@ def _installed_dir(marker: Path, home: Path, digest: str) -> Path | None:
     except (OSError, ValueError):
         return None
     installed = Path(text)
-    if not text or not installed.is_absolute() or installed.parent != home / APPS_DIR:
+    if not text or not installed.is_absolute() or installed.parent != home / APP_DIR:
         return None
-    if not installed.name.endswith("." + digest[:HASH_PREFIX]) or not (installed / "pyproject.toml").is_file():
+    if not installed.name.endswith("." + digest[:FAB_HASH_TRUNCATION]) or not (installed / "pyproject.toml").is_file():
         return None
     return installed
 
@@ -106,6 +112,8 @@ def install() -> bool:
     """Put :func:`make_cached_install`'s function in place of ``install_from_fab`` in Flower's ``run_clientapp``
     module (this process only).  False, with one warning, if this Flower is not the one it was written for."""
     problem = version_problem()
+    if problem is None and _FLOWER_IMPORT_ERROR is not None:
+        problem = f"flwr.common.constant lacks APP_DIR / FAB_HASH_TRUNCATION ({_FLOWER_IMPORT_ERROR})"
     if problem is None:
         try:
             module = importlib.import_module(MODULE)
