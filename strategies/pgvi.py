@@ -70,6 +70,11 @@ POLL_FACTOR = 1.5  # growth of the wait between two pulls for replies while none
 _REQUERY_FIRST, _REQUERY_MAX = 30.0, 600.0  # backoff before asking an unidentified node again (doubles)
 
 
+def _sleep_until(seconds: float, until: float) -> None:
+    """Sleep ``seconds``, but not past the wall-clock time ``until``."""
+    time.sleep(min(seconds, max(0.0, until - time.time())))
+
+
 def _is_transient(err: BaseException) -> bool:
     """A Runtime API error worth retrying: HTTP 5xx/408/429, a lost connection, an expired object session."""
     if isinstance(err, httpx.HTTPStatusError):
@@ -595,7 +600,7 @@ class PGVIStrategy(Strategy):
                 # wake for the run's deadline and the next in-flight message's timeout, whatever the back-off
                 wake = min([deadline] + [sent + timeout for _, sent, _ in inflight.values()])
                 with stats.timed("wait"):
-                    time.sleep(min(poll.next_wait(), max(0.0, wake - time.time())))
+                    _sleep_until(poll.next_wait(), wake)
         # let in-flight replies arrive so that no client is left with an unresolved pending update
         if inflight:
             late = self._collect(grid, {mid: v[0] for mid, v in inflight.items()}, min(timeout, 5.0))
@@ -697,7 +702,7 @@ class PGVIStrategy(Strategy):
                 raise AllClientsFailed(f"round {rnd}: no client is connected (waited wait-for-clients-s="
                                        f"{self.cfg.wait_for_clients_s:g}s)")
             log(WARNING, "round %d: no client is connected; waiting for one", rnd)
-            time.sleep(min(1.0, max(0.0, deadline - time.time())))
+            _sleep_until(1.0, deadline)
 
     def _check_not_all_excluded(self) -> None:
         if self.node_client and all(self._excluded(c) for c in self.node_client.values()):
@@ -796,7 +801,7 @@ class PGVIStrategy(Strategy):
             if got:
                 poll.reset()
             elif ids:
-                time.sleep(min(poll.next_wait(), max(0.0, end - time.time())))
+                _sleep_until(poll.next_wait(), end)
         return out
 
     def _reply_poll(self) -> GeometricBackoff:
