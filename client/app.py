@@ -36,7 +36,7 @@ from client import warm_worker
 from client.node_request import InjectedFault, Request, Result, node_run_config
 from common import protocol as P
 from common.client_state import ClientState
-from strategies.codec import arrays_to_record
+from strategies.codec import arrays_to_record, decode_arrays, encode_arrays, layout_key
 
 app = ClientApp()
 
@@ -115,14 +115,19 @@ def _compute(request: Request, context: Context) -> Result:
     return handle(request)
 
 
+def _arrays(msg: Message, config: Mapping, name: str) -> dict:
+    """The named arrays of record ``name`` (packed with the layout the config carries, or one Array each)."""
+    layout = config.get(layout_key(name))
+    return decode_arrays(msg.content[name], None if layout is None else str(layout))
+
+
 def _request(kind: str, msg: Message, context: Context, state: ClientState, fault: str = "") -> Request:
     config = dict(msg.content[P.CONFIG])
     site = None
     if kind == "train" and config.get("has-site") and P.SITE in msg.content:
-        site = {k: a.numpy() for k, a in msg.content[P.SITE].items()}
+        site = _arrays(msg, config, P.SITE)
     return Request(kind=kind, run_config=dict(context.run_config), node_config=dict(context.node_config),
-                   posterior={k: a.numpy() for k, a in msg.content[P.POSTERIOR].items()}, config=config,
-                   site=site, state=state, fault=fault)
+                   posterior=_arrays(msg, config, P.POSTERIOR), config=config, site=site, state=state, fault=fault)
 
 
 @app.query()
@@ -151,7 +156,7 @@ def train(msg: Message, context: Context) -> Message:
                and not k.endswith("version")}
     content = RecordDict({P.CONFIG: reply_cfg, P.METRICS: MetricRecord(numeric)})
     if result.delta:
-        content[P.DELTA] = arrays_to_record(result.delta)
+        content[P.DELTA], reply_cfg[layout_key(P.DELTA)] = encode_arrays(result.delta)
     return Message(content, reply_to=msg)
 
 

@@ -106,7 +106,7 @@ def _inject(mode: str, client: PGVIClient, delta: list[np.ndarray]) -> list[np.n
     elif mode == "improper":
         delta = [d if not k.startswith("eta2") else np.full_like(d, 1e6) for k, d in zip(client.names, delta)]
     elif mode == "huge":
-        delta = [np.zeros(50_000_000, dtype=np.float32)] + delta[1:]
+        delta = [np.zeros(50_000_000, dtype=np.float32)] + [d.astype(np.float32) for d in delta[1:]]  # one dtype: packable
     return delta
 
 

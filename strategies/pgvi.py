@@ -60,7 +60,7 @@ from common.families import GaussianFactor
 from common.metrics import bin_sum_key, ece_from_bin_sums
 from common.problem import Problem
 from strategies.checkpoint import load_checkpoint, save_checkpoint
-from strategies.codec import factor_to_record, record_to_factor
+from strategies.codec import arrays_to_record, factor_to_record, layout_key, record_to_factor
 
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
 T = TypeVar("T")
@@ -258,7 +258,7 @@ class PGVIStrategy(Strategy):
         self.retry_backoff = retry_backoff  # first wait after a transient Runtime API error (doubles per retry)
         self.rng = random.Random(self.cfg.seed)
         self.rho = self.cfg.rho()
-        self._posterior_record: tuple[int, ArrayRecord] | None = None
+        self._posterior_record: tuple[int, ArrayRecord, str] | None = None  # (version, wire record, its layout)
         self.history: list[dict[str, float]] = []
         self._last_failure = ""
         self.aggregator = make_aggregator(self.cfg.aggregator, **self.cfg.aggregator_hyper())
@@ -292,7 +292,9 @@ class PGVIStrategy(Strategy):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         if not self.cfg.evaluate_clients:
             return []
-        content = RecordDict({P.POSTERIOR: self._current_record(), P.CONFIG: ConfigRecord({"server-round": server_round})})
+        record, layout = self._wire_posterior()
+        content = RecordDict({P.POSTERIOR: record, P.CONFIG: ConfigRecord({"server-round": server_round,
+                                                                           layout_key(P.POSTERIOR): layout})})
         return [Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in self._known_nodes(grid)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -477,7 +479,7 @@ class PGVIStrategy(Strategy):
 
     def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats,
                            after_push: Callable[[], None] | None = None) -> None:
-        msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
+        msgs = list(self.configure_train(rnd, self._wire_posterior()[0], ConfigRecord(), grid))
         stats.sent += len(msgs)
         replies = self._send_and_receive(grid, msgs, timeout, stats, after_push)
         self._count_timeouts(rnd, len(msgs), replies, stats)
@@ -726,16 +728,24 @@ class PGVIStrategy(Strategy):
         return sorted(self.rng.sample(nodes, k), key=lambda n: self.node_client[n])
 
     def _current_record(self) -> ArrayRecord:
+        """The posterior's natural parameters, one Array per tensor (the Strategy API's model record)."""
+        assert self.state.posterior is not None
+        return arrays_to_record(self.state.posterior.to_numpy())
+
+    def _wire_posterior(self) -> tuple[ArrayRecord, str]:
+        """The posterior as sent to clients: one packed record and its layout, built once per version and shared
+        by every message of it (Flower pushes an object the messages share once)."""
         if self._posterior_record is None or self._posterior_record[0] != self.state.version:
             assert self.state.posterior is not None
-            self._posterior_record = (self.state.version, factor_to_record(self.state.posterior))
-        return self._posterior_record[1]
+            self._posterior_record = (self.state.version, *factor_to_record(self.state.posterior))
+        return self._posterior_record[1], self._posterior_record[2]
 
     def _train_message(self, node: int, rnd: int) -> Message:
         cid = self.node_client[node]
+        record, layout = self._wire_posterior()
         content = RecordDict(
             {
-                P.POSTERIOR: self._current_record(),
+                P.POSTERIOR: record,
                 P.CONFIG: ConfigRecord(
                     {
                         "server-round": rnd,
@@ -744,12 +754,13 @@ class PGVIStrategy(Strategy):
                         "client-id": cid,
                         "rho": self.rho,
                         "has-site": cid in self.resync,
+                        layout_key(P.POSTERIOR): layout,
                     }
                 ),
             }
         )
         if cid in self.resync:
-            content[P.SITE] = factor_to_record(self.state.site(cid))
+            content[P.SITE], content[P.CONFIG][layout_key(P.SITE)] = factor_to_record(self.state.site(cid))
         return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
 
     def _runtime(self, what: str, call: Callable[[], T], deadline: float) -> T | None:
@@ -909,7 +920,10 @@ class PGVIStrategy(Strategy):
                 if P.DELTA not in content:
                     raise PGVIError("no Delta in the reply")
                 record = content[P.DELTA]
-                delta = record_to_factor(record, self.problem.prior)
+                layout = cfg.get(layout_key(P.DELTA))
+                if layout is not None and not isinstance(layout, str):
+                    raise PGVIError(f"{layout_key(P.DELTA)} must be a string, got {type(layout).__name__}")
+                delta = record_to_factor(record, self.problem.prior, layout)
                 base = _strict_int(cfg.get("base-site-version"), "base-site-version")
                 sent = _strict_int(cfg.get("posterior-version", self.state.version), "posterior-version")
                 if base != self.ledger_versions.get(cid):  # duplicate, late, or the site was reset: not misbehaviour
@@ -996,7 +1010,7 @@ class PGVIStrategy(Strategy):
             extra.update({f"test-{k}": v for k, v in server_metrics.items()})
         if do_client_eval and self.cfg.evaluate_clients:
             with stats.timed("client-evaluate"):
-                msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
+                msgs = list(self.configure_evaluate(rnd, self._wire_posterior()[0], ConfigRecord(), grid))
                 agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
             if agg is not None:
                 result.evaluate_metrics_clientapp[rnd] = agg

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import os
 from functools import lru_cache
 
@@ -43,11 +44,13 @@ from hypothesis.extra.numpy import arrays as np_arrays
 from common import protocol as P
 from common.factors import damped_delta
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from strategies.codec import PACKED_KEY, decode_arrays, encode_arrays, layout_key
 from strategies.pgvi import PGVIStrategy, RoundStats
 from tests.test_inprocess import run
 
 RND = 2  # the round in which the fuzzed replies arrive (the warm-up run did round 1)
 STYPE = "numpy.ndarray"
+LAYOUT = layout_key(P.DELTA)
 FLOAT_LABELS = {"float32", "float64", "<f4", "<f8"}  # what strategies.codec accepts as Array.dtype
 SCALE = int(os.environ.get("PGVI_FUZZ_SCALE", "1"))  # raise for a longer local fuzzing session
 
@@ -155,10 +158,14 @@ def independently_proper(factor: GaussianFactor) -> bool:
         return True
 
 
-def decode_independently(record) -> dict[str, torch.Tensor] | None:
-    """The Delta a reply carries, decoded with numpy alone (``None`` if it does not decode to finite floats)."""
+def decode_independently(message: Message) -> dict[str, torch.Tensor] | None:
+    """The Delta a reply carries, decoded with numpy and json alone (``None`` if it does not decode to floats):
+    one Array per tensor, or one packed Array split by the layout in the reply's config."""
+    record = message.content.get(P.DELTA)
     if not isinstance(record, ArrayRecord):
         return None
+    cfg = message.content.get(P.CONFIG)
+    layout = cfg.get(LAYOUT) if isinstance(cfg, ConfigRecord) else None
     out = {}
     try:
         for k, arr in record.items():
@@ -166,6 +173,14 @@ def decode_independently(record) -> dict[str, torch.Tensor] | None:
             if not isinstance(value, np.ndarray) or value.dtype.kind != "f" or not value.dtype.isnative:
                 return None
             out[k] = torch.as_tensor(value.astype(np.float64))
+        if layout is not None:
+            flat, start, out = out[PACKED_KEY], 0, {}
+            for name, shape in json.loads(layout):
+                n = int(np.prod(shape, dtype=np.int64))
+                out[name] = flat[start:start + n].reshape(shape)
+                start += n
+            if start != flat.numel():
+                return None
     except Exception:
         return None
     return out
@@ -208,7 +223,7 @@ def check_batch(s: PGVIStrategy, before: dict, replies: list[Message], stats: Ro
         for i, m in enumerate(replies):
             if m.has_error() or m.metadata.src_node_id != node:
                 continue
-            d = decode_independently(m.content.get(P.DELTA))
+            d = decode_independently(m)
             if d is not None and d.keys() == site_now.keys() and all(
                 d[k].shape == site_now[k].shape and torch.equal(site_now[k], site_before[k] + d[k]) for k in d
             ):
@@ -230,8 +245,8 @@ def check_batch(s: PGVIStrategy, before: dict, replies: list[Message], stats: Ro
     assert independently_proper(s.state.posterior), "an applied update left an improper posterior"
     assert s.state.check_invariant() <= tol
     # the cached wire record of the posterior is the new one
-    rec = s._current_record()
-    assert _same({k: a.numpy() for k, a in rec.items()}, now["posterior"])
+    rec, layout = s._wire_posterior()
+    assert _same(decode_arrays(rec, layout), now["posterior"])
     return applied
 
 
@@ -337,7 +352,8 @@ class Case:
         return delta.to_numpy()
 
     def content(self, arrays: dict[str, np.ndarray]) -> RecordDict:
-        """A reply exactly like client/app.py's ``train`` builds it."""
+        """A reply as client/app.py's ``train`` builds it, with the Delta as one Array per tensor (the format the
+        codec reads when a reply has no layout; :func:`pack` turns it into the packed record the client sends)."""
         return RecordDict({
             P.CONFIG: ConfigRecord({
                 "client-id": self.cid,
@@ -718,21 +734,26 @@ def check_labelled(s: PGVIStrategy, before: dict, replies: list[Message], outcom
 
 
 def _sent_delta(message: Message) -> dict[str, torch.Tensor]:
-    d = decode_independently(message.content[P.DELTA])
+    d = decode_independently(message)
     assert d is not None
     return d
 
 
 # =================================================================================================
 # (1) labelled single replies
+def single_case(data: st.DataObject) -> tuple[str, PGVIStrategy, Case, RecordDict]:
+    """A fresh strategy of a drawn setup, a drawn client of it and its valid reply with harmless changes."""
+    setup = data.draw(st.sampled_from(sorted(SETUPS)), label="setup")
+    s = fresh(setup)
+    case = Case(s, data.draw(st.sampled_from(sorted(s.node_client)), label="node"), data)
+    return setup, s, case, harmless(case, case.valid_arrays(data.draw(st.floats(0.01, 1.0), label="rho")))
+
+
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 @settings(max_examples=8 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_single_reply_has_its_expected_outcome(fault, data):
-    setup = data.draw(st.sampled_from(sorted(SETUPS)), label="setup")
-    s = fresh(setup)
-    case = Case(s, data.draw(st.sampled_from(sorted(s.node_client)), label="node"), data)
-    content = harmless(case, case.valid_arrays(data.draw(st.floats(0.01, 1.0), label="rho")))
+    setup, s, case, content = single_case(data)
     replies, outcomes = FAULTS[fault](case, content)
     sent = {case.cid: _sent_delta(replies[0])} if "applied" in outcomes else {}
     event(f"setup {setup}")
@@ -749,6 +770,82 @@ def test_single_reply_has_its_expected_outcome(fault, data):
         # redelivered after it was applied: the base version is now stale, so it is rejected, not re-applied
         check_replay(s, replies, applied)
         assert any("site version" in str(r["reason"]) for r in s.rejections)
+
+
+# -------------------------------------------------------------------------------------------------
+# packed replies (what client/app.py sends): the Delta as one Array, split by the layout in the config
+def pack(content: RecordDict) -> None:
+    """Turn ``content``'s Delta (one Array per tensor, well-formed) into the packed record and its layout."""
+    arrays = {k: a.numpy() for k, a in content[P.DELTA].items()}
+    dtype = np.float64 if len({v.dtype for v in arrays.values()}) > 1 else None
+    content[P.DELTA], content[P.CONFIG][LAYOUT] = encode_arrays(arrays, dtype)
+
+
+def p_layout(case, content):
+    """The layout no longer names the server's tensors with their shapes, or is not a layout at all."""
+    entries = json.loads(content[P.CONFIG][LAYOUT])
+    i = case.draw(st.integers(0, len(entries) - 1), label="entry")
+    kind = case.draw(st.sampled_from(["rename", "reshape", "drop", "duplicate", "garbage", "absent", "not a string"]),
+                     label="layout fault")
+    if kind == "rename":
+        entries[i][0] += case.draw(st.text(min_size=1, max_size=3))
+    elif kind == "reshape":  # the same number of scalars in another shape
+        entries[i][1] = entries[i][1][::-1] + [1] if entries[i][1] == entries[i][1][::-1] else entries[i][1][::-1]
+    elif kind == "drop":
+        del entries[i]
+    elif kind == "duplicate":
+        entries.append(entries[i])
+    if kind == "garbage":
+        content[P.CONFIG][LAYOUT] = case.draw(st.text(max_size=20))
+    elif kind == "absent":
+        del content[P.CONFIG][LAYOUT]
+    elif kind == "not a string":
+        content[P.CONFIG][LAYOUT] = case.draw(st.sampled_from([0, 1.5, b"[]", ["a"]]))
+    else:
+        content[P.CONFIG][LAYOUT] = json.dumps(entries)
+    return [case.reply(content)], ["rejected"]
+
+
+def p_length(case, content):
+    """One scalar more or fewer in the packed Array than the layout describes."""
+    flat = content[P.DELTA][PACKED_KEY].numpy()
+    flat = np.append(flat, flat[:1]) if case.draw(st.booleans()) or flat.size == 0 else flat[:-1]
+    content[P.DELTA][PACKED_KEY] = Array(flat)
+    return [case.reply(content)], ["rejected"]
+
+
+def p_extra_array(case, content):
+    content[P.DELTA][case.draw(record_keys, label="extra array")] = Array(np.zeros(1))
+    return [case.reply(content)], ["rejected"]
+
+
+PACKED_FAULTS = {"none": f_none, "nonfinite": f_nonfinite, "improper": f_improper, "duplicate": f_duplicate,
+                 "layout": p_layout, "length": p_length, "extra_array": p_extra_array}
+
+
+@pytest.mark.parametrize("fault", sorted(PACKED_FAULTS))
+@settings(max_examples=8 * SCALE, **FUZZ)
+@given(data=st.data())
+def test_packed_reply_has_its_expected_outcome(fault, data):
+    """The value faults of the named format (applied before packing) and the packed format's own faults."""
+    setup, s, case, content = single_case(data)
+    value_fault = fault in ("none", "nonfinite", "improper", "duplicate")
+    if value_fault:
+        replies, outcomes = PACKED_FAULTS[fault](case, content)
+        for m in {id(m): m for m in replies}.values():
+            pack(m.content)
+    else:
+        pack(content)
+        replies, outcomes = PACKED_FAULTS[fault](case, content)
+    assert all(LAYOUT in m.content[P.CONFIG] for m in replies) or fault == "layout"
+    sent = {case.cid: _sent_delta(replies[0])} if "applied" in outcomes else {}
+    event(f"setup {setup}")
+
+    before = snapshot(s)
+    stats = deliver(s, replies)
+    check_labelled(s, before, replies, outcomes, stats, sent)
+    if "applied" not in outcomes:
+        assert_state_unchanged(s, before)
 
 
 @settings(max_examples=30 * SCALE, **FUZZ)

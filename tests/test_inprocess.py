@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, Message
+from flwr.app import Message
 
 from client.app import app as client_app
 from common import protocol as P
@@ -17,6 +17,7 @@ from common.problem import build_problem
 from strategies.inprocess import InProcessGrid
 from strategies.pgvi import PGVIStrategy
 from strategies.reference import exact_posterior, expected_posterior, max_natural_diff
+from tests.wire import record_arrays, set_record_arrays
 
 BASE = {
     "model": "gaussian_location",
@@ -107,16 +108,17 @@ def _tamper(kind: str, victim: str = "site-1", once: bool = True):
             return []
         if kind == "duplicate":
             return [reply, reply]
-        delta = reply.content[P.DELTA]
-        key = next(k for k in delta.keys() if k.startswith("eta2"))
-        arr = delta[key].numpy().copy()
+        delta = record_arrays(reply, P.DELTA)
+        key = next(k for k in delta if k.startswith("eta2"))
+        arr = delta[key]
         if kind == "nan":
             arr[...] = np.nan
         elif kind == "improper":
             arr[...] = 1e6  # eta2 = -Lambda/2 hugely positive: negative precision
         elif kind == "shape":
-            arr = np.zeros((arr.shape[0] + 1,) + arr.shape[1:])
-        delta[key] = Array(arr)
+            arr = np.zeros((arr.shape[0] + 1,) + arr.shape[1:], dtype=arr.dtype)
+        delta[key] = arr
+        set_record_arrays(reply, P.DELTA, delta)
         return [reply]
 
     return hook
