@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -34,6 +35,17 @@ PACKED_KEY = "packed"
 MAX_LAYOUT_CHARS = 1 << 20
 MAX_TENSORS = 1 << 14
 MAX_SCALARS = 1 << 31
+MAX_DIMS = 32
+_NATIVE_FLOATS = (np.dtype("<f4"), np.dtype("<f8"))
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxtuple = _SHORT.maxlist = 8
+
+
+def _short(value: object) -> str:
+    """A peer's name or shape in an error message, cut to a few dozen characters (messages are logged and
+    checkpointed)."""
+    return _SHORT.repr(value)
 
 
 def layout_key(record_name: str) -> str:
@@ -67,19 +79,25 @@ def _parse_layout(layout: object) -> list[tuple[str, tuple[int, ...]]]:
         raise ShapeMismatchError("layout must be a string of at most 2^20 characters")
     try:
         entries = json.loads(layout)
-    except ValueError as err:
-        raise ShapeMismatchError(f"layout is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: '[[[[...' nested deeper than the parser goes
+        raise ShapeMismatchError(f"layout is not JSON: {_short(str(err))}") from None
     if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
         raise ShapeMismatchError("layout must be a list of at most 2^14 [name, shape] entries")
     out: list[tuple[str, tuple[int, ...]]] = []
     total = 0
     for entry in entries:
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                and isinstance(entry[1], list)
+                and isinstance(entry[1], list) and len(entry[1]) <= MAX_DIMS
                 and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_SCALARS for d in entry[1])):
-            raise ShapeMismatchError(f"layout entry {str(entry)[:80]!r} is not [name, [non-negative int, ...]]")
+            raise ShapeMismatchError(f"layout entry {_short(entry)} is not [name, [at most {MAX_DIMS} non-negative "
+                                     f"ints]]")
         shape = tuple(entry[1])
-        total += math.prod(shape)
+        size = 1
+        for d in shape:  # stop as soon as the count passes the bound: each product stays below 2^62
+            size *= d
+            if size >= MAX_SCALARS:
+                break
+        total += size
         if total >= MAX_SCALARS:
             raise ShapeMismatchError("layout describes 2^31 scalars or more")
         out.append((entry[0], shape))
@@ -91,23 +109,26 @@ def _parse_layout(layout: object) -> list[tuple[str, tuple[int, ...]]]:
 def _check_array_header(name: str, arr: Array, shape: tuple[int, ...]) -> None:
     """Shape, dtype and byte count from the Array's metadata, before any bytes are deserialised."""
     if tuple(arr.shape) != shape:
-        raise ShapeMismatchError(f"'{name}' has shape {tuple(arr.shape)}, expected {shape}")
+        raise ShapeMismatchError(f"{_short(name)} has shape {_short(tuple(arr.shape))}, expected {_short(shape)}")
     if str(arr.dtype) not in _FLOAT_DTYPES:
-        raise ShapeMismatchError(f"'{name}' has dtype {arr.dtype!r}, expected float32 or float64")
+        raise ShapeMismatchError(f"{_short(name)} has dtype {_short(arr.dtype)}, expected float32 or float64")
     limit = math.prod(shape) * 8 + 4096  # float64 payload + .npy header
     if len(arr.data) > limit:
-        raise ShapeMismatchError(f"'{name}' carries {len(arr.data)} bytes, more than the {limit} its shape allows")
+        raise ShapeMismatchError(f"{_short(name)} carries {len(arr.data)} bytes, more than the {limit} its shape "
+                                 "allows")
 
 
 def _load(name: str, arr: Array, shape: tuple[int, ...]) -> np.ndarray:
     try:
         value = arr.numpy()
     except Exception as err:  # malformed bytes: never let a peer crash the server
-        raise ShapeMismatchError(f"'{name}' could not be decoded: {err}") from None
+        raise ShapeMismatchError(f"{_short(name)} could not be decoded: {_short(str(err))}") from None
     if tuple(value.shape) != shape:
-        raise ShapeMismatchError(f"'{name}' decodes to shape {tuple(value.shape)}, expected {shape}")
-    if value.dtype.kind != "f":
-        raise ShapeMismatchError(f"'{name}' decodes to dtype {value.dtype}, expected float32 or float64")
+        raise ShapeMismatchError(f"{_short(name)} decodes to shape {_short(tuple(value.shape))}, expected "
+                                 f"{_short(shape)}")
+    if value.dtype not in _NATIVE_FLOATS:
+        raise ShapeMismatchError(f"{_short(name)} decodes to dtype {value.dtype}, expected little-endian float32 "
+                                 "or float64")
     return value
 
 
@@ -116,10 +137,10 @@ def _check_names(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tupl
         return
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        raise ShapeMismatchError(f"array names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ShapeMismatchError(f"array names differ: missing {_short(missing)}, unexpected {_short(extra)}")
     for k, shape in expected.items():
         if tuple(got[k]) != tuple(shape):
-            raise ShapeMismatchError(f"'{k}' has shape {tuple(got[k])}, expected {tuple(shape)}")
+            raise ShapeMismatchError(f"{_short(k)} has shape {_short(tuple(got[k]))}, expected {tuple(shape)}")
 
 
 def decode_arrays(record: ArrayRecord, layout: str | None,

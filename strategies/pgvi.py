@@ -479,7 +479,7 @@ class PGVIStrategy(Strategy):
 
     def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats,
                            after_push: Callable[[], None] | None = None) -> None:
-        msgs = list(self.configure_train(rnd, self._wire_posterior()[0], ConfigRecord(), grid))
+        msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
         stats.sent += len(msgs)
         replies = self._send_and_receive(grid, msgs, timeout, stats, after_push)
         self._count_timeouts(rnd, len(msgs), replies, stats)
@@ -1010,7 +1010,7 @@ class PGVIStrategy(Strategy):
             extra.update({f"test-{k}": v for k, v in server_metrics.items()})
         if do_client_eval and self.cfg.evaluate_clients:
             with stats.timed("client-evaluate"):
-                msgs = list(self.configure_evaluate(rnd, self._wire_posterior()[0], ConfigRecord(), grid))
+                msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
                 agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
             if agg is not None:
                 result.evaluate_metrics_clientapp[rnd] = agg

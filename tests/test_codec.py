@@ -106,6 +106,12 @@ def test_cast_to_a_requested_dtype_and_refuse_mixed_or_integer_dtypes():
         ("[" + ",".join('["x%d", [1]]' % i for i in range(20000)) + "]", "at most 2\\^14"),
         (" " * (MAX_LAYOUT_CHARS + 1), "at most 2\\^20"),
         (b'[["a", [2]]]', "must be a string"),
+        ("[" * 200_000, "not JSON"),  # nested deeper than the parser recurses
+        ('[["a", [' + ",".join(["2"] * 33) + "]]]", "at most 32"),
+        # a shape whose product would be a 100,000-digit number is refused after one multiplication too many,
+        # not after computing it (that took 9 s per reply before the bound)
+        ('[["a", [' + ",".join(["2147483647"] * 32) + "]]]", "2\\^31"),
+        ('[["a", [' + ",".join(["2147483647"] * 31) + ",0]]]", "2\\^31"),
     ],
 )
 def test_a_malformed_layout_is_a_typed_error(layout, match):
@@ -139,6 +145,23 @@ def test_header_checks_come_before_the_bytes_are_loaded():
         decode_arrays(ArrayRecord({PACKED_KEY: raw_array("float32", (4,), npy(np.zeros(3, np.float32)))}), layout)
     with pytest.raises(ShapeMismatchError, match="decodes to dtype"):
         decode_arrays(ArrayRecord({PACKED_KEY: raw_array("float32", (4,), npy(np.zeros(4, np.int32)))}), layout)
+
+
+def test_error_messages_cut_a_peers_names_and_shapes_short():
+    record = ArrayRecord({PACKED_KEY: Array(np.zeros(2, np.float32))})
+    with pytest.raises(ShapeMismatchError) as err:
+        decode_arrays(record, json.dumps([["x" * 500_000, [2]]]), {"a": (2,)})
+    assert "names differ" in str(err.value) and len(str(err.value)) < 200
+    with pytest.raises(ShapeMismatchError) as err:
+        decode_arrays(ArrayRecord({"x" * 500_000: raw_array("float32", (1,) * 5000, b"")}), None, None)
+    assert len(str(err.value)) < 300
+
+
+def test_a_big_endian_or_half_precision_payload_under_a_float32_label_is_refused():
+    for value in (np.zeros(4, ">f4"), np.zeros(4, np.float16)):
+        record = ArrayRecord({PACKED_KEY: raw_array("float32", (4,), npy(value))})
+        with pytest.raises(ShapeMismatchError, match="decodes to dtype"):
+            decode_arrays(record, '[["a", [4]]]')
 
 
 def test_expected_names_and_shapes_are_checked_against_the_layout():
