@@ -117,8 +117,7 @@ def _compute(request: Request, context: Context) -> Result:
 
 def _arrays(msg: Message, config: Mapping, name: str) -> dict:
     """The named arrays of record ``name`` (packed with the layout the config carries, or one Array each)."""
-    layout = config.get(layout_key(name))
-    return decode_arrays(msg.content[name], None if layout is None else str(layout))
+    return decode_arrays(msg.content[name], config.get(layout_key(name)))
 
 
 def _request(kind: str, msg: Message, context: Context, state: ClientState, fault: str = "") -> Request:

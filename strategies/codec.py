@@ -143,10 +143,10 @@ def _check_names(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tupl
             raise ShapeMismatchError(f"{_short(k)} has shape {_short(tuple(got[k]))}, expected {tuple(shape)}")
 
 
-def decode_arrays(record: ArrayRecord, layout: str | None,
+def decode_arrays(record: ArrayRecord, layout: object,
                   expected: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
-    """The named arrays of ``record``: split by ``layout`` (a packed record), or one Array per name when
-    ``layout`` is ``None``.  With ``expected`` (name -> shape) the names and shapes must be exactly those.
+    """The named arrays of ``record``: split by ``layout`` (a packed record; a peer's value, so anything but a
+    layout string is refused), or one Array per name when ``layout`` is ``None``.  With ``expected`` (name -> shape) the names and shapes must be exactly those.
     Raises ShapeMismatchError for anything malformed."""
     if layout is None:
         shapes = {k: tuple(a.shape) for k, a in record.items()}
@@ -176,7 +176,7 @@ def factor_to_record(factor: GaussianFactor, dtype: np.dtype | str | None = None
     return encode_arrays(factor.to_numpy(), dtype)
 
 
-def record_to_factor(record: ArrayRecord, like: GaussianFactor, layout: str | None = None) -> GaussianFactor:
+def record_to_factor(record: ArrayRecord, like: GaussianFactor, layout: object = None) -> GaussianFactor:
     """Decode ``record`` (packed with ``layout``, or one Array per tensor without) into a factor of ``like``'s
     layout; raises ShapeMismatchError / NonFiniteError."""
     expected = {k: tuple(v.shape) for k, v in like.params.items()}

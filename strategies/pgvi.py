@@ -920,10 +920,7 @@ class PGVIStrategy(Strategy):
                 if P.DELTA not in content:
                     raise PGVIError("no Delta in the reply")
                 record = content[P.DELTA]
-                layout = cfg.get(layout_key(P.DELTA))
-                if layout is not None and not isinstance(layout, str):
-                    raise PGVIError(f"{layout_key(P.DELTA)} must be a string, got {type(layout).__name__}")
-                delta = record_to_factor(record, self.problem.prior, layout)
+                delta = record_to_factor(record, self.problem.prior, cfg.get(layout_key(P.DELTA)))
                 base = _strict_int(cfg.get("base-site-version"), "base-site-version")
                 sent = _strict_int(cfg.get("posterior-version", self.state.version), "posterior-version")
                 if base != self.ledger_versions.get(cid):  # duplicate, late, or the site was reset: not misbehaviour

@@ -44,9 +44,10 @@ from hypothesis.extra.numpy import arrays as np_arrays
 from common import protocol as P
 from common.factors import damped_delta
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
-from strategies.codec import PACKED_KEY, decode_arrays, encode_arrays, layout_key
+from strategies.codec import PACKED_KEY, decode_arrays, layout_key
 from strategies.pgvi import PGVIStrategy, RoundStats
 from tests.test_inprocess import run
+from tests.wire import set_record_arrays
 
 RND = 2  # the round in which the fuzzed replies arrive (the warm-up run did round 1)
 STYPE = "numpy.ndarray"
@@ -776,9 +777,7 @@ def test_single_reply_has_its_expected_outcome(fault, data):
 # packed replies (what client/app.py sends): the Delta as one Array, split by the layout in the config
 def pack(content: RecordDict) -> None:
     """Turn ``content``'s Delta (one Array per tensor, well-formed) into the packed record and its layout."""
-    arrays = {k: a.numpy() for k, a in content[P.DELTA].items()}
-    dtype = np.float64 if len({v.dtype for v in arrays.values()}) > 1 else None
-    content[P.DELTA], content[P.CONFIG][LAYOUT] = encode_arrays(arrays, dtype)
+    set_record_arrays(content, P.DELTA, {k: a.numpy() for k, a in content[P.DELTA].items()})
 
 
 def p_layout(case, content):

@@ -118,7 +118,7 @@ def _tamper(kind: str, victim: str = "site-1", once: bool = True):
         elif kind == "shape":
             arr = np.zeros((arr.shape[0] + 1,) + arr.shape[1:], dtype=arr.dtype)
         delta[key] = arr
-        set_record_arrays(reply, P.DELTA, delta)
+        set_record_arrays(reply.content, P.DELTA, delta)
         return [reply]
 
     return hook
