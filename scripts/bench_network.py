@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -90,6 +91,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from client.object_pulls import ENV_INITIAL_RETRY, check_initial_retry  # noqa: E402 (stdlib only; after the path)
+from scripts.memcgroup import MemoryCgroup, drop_page_cache  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -883,12 +885,22 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
     token = secrets.token_hex(8)
     old = os.environ.get(BENCH_MARKER)
     os.environ[BENCH_MARKER] = token  # inherited by flwr, the SuperLink, SuperExec, Ray and its workers
+    cgroup = None
+    if args.sim_cgroup or args.sim_memory_limit_mb is not None:
+        if args.drop_caches:
+            drop_page_cache()
+            print("page cache dropped (sync; drop_caches=3): the tree is charged for the files it loads", flush=True)
+        cgroup = MemoryCgroup("pgvi-sim", limit_mb=args.sim_memory_limit_mb)
+        print(f"memory cgroup v{cgroup.version} {cgroup.path}, limit "
+              f"{'none' if args.sim_memory_limit_mb is None else f'{args.sim_memory_limit_mb:,.0f} MB, no swap'}",
+              flush=True)
     sampler = ProcTreeSampler(BENCH_MARKER, token, 0.5, pss=True, exclude={os.getpid()})
     watcher = RowWatcher(wd / "outputs").start()
     sampler.start()
     try:
-        res = run_simulation(run_config, args.sim_clients, wd, num_cpus_per_client=args.sim_cpus_per_client,
-                             timeout=args.run_timeout)
+        with cgroup if cgroup is not None else contextlib.nullcontext():
+            res = run_simulation(run_config, args.sim_clients, wd, num_cpus_per_client=args.sim_cpus_per_client,
+                                 timeout=args.run_timeout)
     finally:
         sampler.stop()
         watcher.stop()
@@ -897,6 +909,8 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
         else:
             os.environ[BENCH_MARKER] = old
         leftovers = kill_leftovers(sampler)
+        if cgroup is not None and not cgroup.remove():
+            print(f"[cgroup] {cgroup.path} still has processes; left in place", file=sys.stderr)
     up1 = uptime_line()
     rows = watcher.rows
     t_row = {int(r["round"]): t for t, r in rows}
@@ -938,6 +952,19 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
     print(f"peak memory, sum of RSS over the process tree: {sampler.peak_rss / MB:,.0f} MB "
           f"(sum of PSS: {sampler.peak_pss / MB:,.0f} MB); target <= 2,048 MB (RSS sum) -> {verdict(ok)}"
           + ("" if completed else f" (the run did not complete: status {res['status']})"))
+    if cgroup is not None:
+        cg = cgroup.report()
+        result["cgroup"] = dataclasses.asdict(cg)
+        fits = completed and cg.oom_kills == 0
+        if cg.limit_mb is not None:
+            result["targets"]["completes-under-cgroup-limit"] = fits
+        print(f"memory cgroup v{cg.version} (each page charged once, page cache included"
+              f"{', cache dropped first' if args.drop_caches else ''}): peak {cg.peak_mb:,.0f} MB"
+              + ("" if cg.peak_with_swap_mb is None else f" (with swap {cg.peak_with_swap_mb:,.0f} MB)")
+              + f"; limit {'none' if cg.limit_mb is None else f'{cg.limit_mb:,.0f} MB'}"
+              + ("" if cg.limit_mb is None else f" ({'reached: the kernel reclaimed' if cg.reached_limit else 'not reached'})")
+              + f"; OOM kills {cg.oom_kills}"
+              + ("" if cg.limit_mb is None else f" -> the run {'completed' if fits else 'did NOT complete'} under it"))
     if 0 < t_row.get(0, 0):
         print(f"time to round 0 (all {args.sim_clients} clients identified): {t_row[0] - first:.1f}s")
     print(f"uptime after: {up1}", flush=True)
@@ -1151,6 +1178,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-min-clients", type=int, default=1000)
     ap.add_argument("--sim-fraction", type=float, default=0.05)
     ap.add_argument("--sim-rounds", type=int, default=3)
+    ap.add_argument("--sim-cgroup", action="store_true",
+                    help="part 2: also run the tree in a child memory cgroup and print the kernel's peak charge "
+                         "(scripts/memcgroup.py; needs write access to this process's memory cgroup)")
+    ap.add_argument("--sim-memory-limit-mb", type=float, default=None, metavar="MB",
+                    help="part 2: run the tree under this hard memory limit (a cgroup, no swap) and report "
+                         "whether it completes; implies --sim-cgroup")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="part 2 with a cgroup: sync and drop the machine's page cache first (root), so that the "
+                         "tree is charged for the libraries it loads")
     ap.add_argument("--sim-cpus-per-client", type=float, default=1.0,
                     help="Ray CPUs per ClientApp actor: 1 = one actor per core; 2 on this machine = one actor")
     ap.add_argument("--client-venv", type=Path, default=Path("/tmp/pgvi-client-venv"))
