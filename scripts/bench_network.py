@@ -1135,6 +1135,10 @@ def bench_client_rss(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ================================================================================================ main
+def _exit_on_sigterm(signum: int, frame: object) -> None:  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--network", action="store_true", help="part 1: BNN rounds in the loopback deployment")
@@ -1205,6 +1209,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--superexec preforked needs --isolation process")
     if str(args.client_venv.resolve()).startswith(str(ROOT)):
         ap.error("--client-venv must be outside the repository")
+    if args.drop_caches and not (args.sim_cgroup or args.sim_memory_limit_mb is not None):
+        ap.error("--drop-caches only applies with --sim-cgroup or --sim-memory-limit-mb")
+    # `kill <pid>` (or `timeout`) unwinds like Ctrl-C: the parts' finally blocks stop the deployment or the
+    # simulation's SuperLink, kill what is left of the tree and leave the memory cgroup
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parts = [p for p in ("client_rss", "network", "simulation", "latency") if getattr(args, p)] or [
         "client_rss", "network", "simulation"]
     args.workdir.mkdir(parents=True, exist_ok=True)
