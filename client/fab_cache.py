@@ -29,12 +29,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from client.flower_version import version_problem
 from common.atomic_io import atomic_write
+from common.environment import env_flag
 
 log = logging.getLogger("flwr")
 
@@ -56,13 +56,8 @@ ENV_FAB_CACHE = "PGVI_FAB_CACHE"
 
 
 def enabled_from_env(env: Any = None) -> bool:
-    """Whether :data:`ENV_FAB_CACHE` leaves the cache on (unset or empty: on)."""
-    raw = (os.environ if env is None else env).get(ENV_FAB_CACHE, "").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_FAB_CACHE}={raw!r} must be 0 or 1")
+    """Whether :data:`ENV_FAB_CACHE` leaves the cache on (unset or empty: on; :func:`common.environment.env_flag`)."""
+    return env_flag(ENV_FAB_CACHE, True, env)
 
 
 def _marker(home: Path, flwr_version: str, digest: str) -> Path:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 from collections.abc import Mapping
 
 from client.flower_version import version_problem
+from common.environment import env_number
 
 log = logging.getLogger("flwr")
 
@@ -60,14 +60,8 @@ def check_initial_retry(seconds: float, name: str = "initial retry") -> float:
 
 def initial_retry_from_env(env: Mapping[str, str] | None = None) -> float:
     """:data:`ENV_INITIAL_RETRY` (unset or empty: :data:`DEFAULT_INITIAL_RETRY_S`); ValueError names it."""
-    raw = (os.environ if env is None else env).get(ENV_INITIAL_RETRY, "").strip()
-    if not raw:
-        return DEFAULT_INITIAL_RETRY_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_INITIAL_RETRY}={raw!r} is not a number") from None
-    return check_initial_retry(value, ENV_INITIAL_RETRY)
+    value = env_number(ENV_INITIAL_RETRY, env)
+    return DEFAULT_INITIAL_RETRY_S if value is None else check_initial_retry(value, ENV_INITIAL_RETRY)
 
 
 def incompatibility() -> str | None:

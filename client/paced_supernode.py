@@ -49,6 +49,7 @@ from typing import Any
 from client import channel_watch, object_pulls
 from client.flower_version import version_problem
 from common.backoff import GeometricBackoff
+from common.environment import env_number
 
 log = logging.getLogger("flwr")  # Flower's logger: same handler and format as the SuperNode's own lines
 
@@ -94,12 +95,9 @@ class Pacing:
         values: dict[str, float] = {}
         for field, var in (("pull_min", ENV_PULL_MIN), ("pull_max", ENV_PULL_MAX), ("factor", ENV_FACTOR),
                            ("reply_poll", ENV_REPLY_POLL)):  # fmt: skip
-            raw = env.get(var, "").strip()
-            if raw:
-                try:
-                    values[field] = float(raw)
-                except ValueError:
-                    raise ValueError(f"{var}={raw!r} is not a number") from None
+            value = env_number(var, env)
+            if value is not None:
+                values[field] = value
         try:
             return cls(**values)
         except ValueError as err:

@@ -29,7 +29,6 @@ autograd path (its middle layers' sampler is an autograd Function).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -37,6 +36,7 @@ from torch import Tensor
 
 from common import fused_head, fused_meanfield, fused_sampling
 from common.adam import Adam
+from common.environment import env_flag
 from common.errors import DivergenceUndefinedError
 from common.fused_meanfield import KINDS
 
@@ -45,7 +45,8 @@ ENV_SWITCH = "PGVI_EXPLICIT_STEP"
 
 
 def disabled_by_environment() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip() == "0"
+    """``PGVI_EXPLICIT_STEP=0`` (also ``false``/``no``/``off``: :func:`common.environment.env_flag`)."""
+    return not env_flag(ENV_SWITCH, True)
 
 
 class OneHiddenLayerStep:

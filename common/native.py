@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from common.environment import env_flag
+
 _LOG = logging.getLogger(__name__)
 
 #: ``-fno-trapping-math`` lets GCC if-convert ``x < 0 ? 0 : x`` and the other float selects of the kernels into
@@ -83,7 +85,8 @@ static inline int64_t pgvi_split(int64_t lo, int64_t hi, int64_t align, int64_t 
 
 
 def disabled_by_environment() -> bool:
-    return os.environ.get("PGVI_FUSED_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+    """``PGVI_FUSED_KERNELS=0`` (a switch: :func:`common.environment.env_flag`; a bad value is a ValueError)."""
+    return not env_flag("PGVI_FUSED_KERNELS", True)
 
 
 def _compiler() -> str | None:
@@ -164,7 +167,7 @@ def openmp_runtime() -> Path | None:
     into this process, or ``None``: ATen's parallel backend is not OpenMP, torch's ``libgomp`` cannot be told
     apart (:func:`_choose_openmp_runtime`), none is mapped (another OpenMP runtime, or not Linux), or
     ``PGVI_KERNEL_OPENMP=0``.  Detected once per process."""
-    if os.environ.get("PGVI_KERNEL_OPENMP", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag("PGVI_KERNEL_OPENMP", True):
         return None
     return _detected_openmp_runtime()
 

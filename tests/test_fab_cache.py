@@ -213,4 +213,4 @@ def test_module_refuses_a_bad_fab_cache_value():
     res = subprocess.run([sys.executable, "-m", "client.preforked_superexec", "--help"], cwd=repo,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PGVI_FAB_CACHE": "maybe"})
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines() == ["pgvi-superexec: PGVI_FAB_CACHE='maybe' must be 0 or 1"]
+    assert res.stderr.strip().splitlines() == ["pgvi-superexec: PGVI_FAB_CACHE='maybe' must be 0 or 1 (or false/true, no/yes, off/on)"]
