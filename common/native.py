@@ -246,8 +246,9 @@ class NativeLibrary:
     def get(self) -> ctypes.CDLL | None:
         with self._lock:
             if not self._tried:
+                off = disabled_by_environment()  # a bad value raises here, and again on the next call
                 self._tried = True
-                if disabled_by_environment():
+                if off:
                     _LOG.info("%s kernels disabled by PGVI_FUSED_KERNELS", self.name)
                 else:
                     try:

@@ -52,6 +52,13 @@ def test_every_switch_of_the_project_uses_it(monkeypatch: pytest.MonkeyPatch) ->
     assert fab_cache.enabled_from_env({fab_cache.ENV_FAB_CACHE: "no"}) is False
     with pytest.raises(ValueError, match=fab_cache.ENV_FAB_CACHE):
         fab_cache.enabled_from_env({fab_cache.ENV_FAB_CACHE: "maybe"})
+    # a kernel's first use with a bad switch raises, and keeps raising (it is not taken as 'tried, off')
+    monkeypatch.setenv("PGVI_FUSED_KERNELS", "fasle")
+    kernel = native.NativeLibrary("probe", "int pgvi_probe(void) { return 1; }", {})
+    for _ in range(2):
+        with pytest.raises(ValueError, match="PGVI_FUSED_KERNELS"):
+            kernel.get()
+    monkeypatch.delenv("PGVI_FUSED_KERNELS")
     monkeypatch.setenv("PGVI_KERNEL_OPENMP", "false")
     assert native.openmp_runtime() is None
     monkeypatch.setenv("PGVI_KERNEL_OPENMP", "nope")
