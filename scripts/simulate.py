@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,8 +185,12 @@ def run_simulation(
     num_cpus_per_client: float = 1.0,
     timeout: float = 1800.0,
     stream_to: Path | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> dict:
-    """Run the app in simulation; returns ``{"status", "run_id", "out_dir", "log", "seconds"}``."""
+    """Run the app in simulation; returns ``{"status", "run_id", "out_dir", "log", "seconds"}``.
+
+    ``preexec_fn`` runs in the ``flwr run`` child before it starts (e.g. joining a memory cgroup: the SuperLink,
+    the simulation and Ray's processes it starts inherit that)."""
     workdir = Path(workdir).resolve()
     home = workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -206,13 +211,14 @@ def run_simulation(
         lock.write(f"{os.getpid()}\n")
         lock.flush()
         return _run_simulation_locked(run_config, num_supernodes, workdir, home, num_cpus_per_client, timeout,
-                                      stream_to)
+                                      stream_to, preexec_fn)
     finally:
         lock.close()
 
 
 def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path, home: Path,
-                           num_cpus_per_client: float, timeout: float, stream_to: Path | None) -> dict:
+                           num_cpus_per_client: float, timeout: float, stream_to: Path | None,
+                           preexec_fn: Callable[[], None] | None = None) -> dict:
     http_port, control_port = free_port(), free_port()
     (home / "config.toml").write_text(
         '[superlink]\ndefault = "pgvi-sim"\n[superlink.pgvi-sim]\naddress = ":local:"\n'
@@ -231,7 +237,8 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
         # Flower gives its managed SuperLink a fixed 15 s to start; on a loaded machine that can fail: retry
         for attempt in range(3):
             with open(log_path, "w") as log:
-                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                               preexec_fn=preexec_fn)
             if "Failed to start local SuperLink" not in Path(log_path).read_text():
                 break
             # the detached SuperLink keeps starting; once it answers, `flwr run` finds and uses it
