@@ -8,12 +8,15 @@ computes it in its own process or sends it to the node's warm compute worker; bo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.client_state import ClientState
-from common.config import ConfigError, RunConfig, parse_run_config
 from common.errors import PGVIError
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 Scalar = bool | bytes | float | int | str
 
@@ -52,6 +55,10 @@ class InjectedFault(RuntimeError):
 
 def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar]) -> tuple[RunConfig, int, str]:
     """The validated run config as this node runs it (node-level ``batch-size``), its partition and client id."""
+    # imported here: the ClientApp process of a train or evaluate message never validates the config (its worker
+    # does), and building the pydantic models costs every such process about 6 ms of CPU
+    from common.config import ConfigError, parse_run_config
+
     cfg = parse_run_config(dict(run_config))
     partition_id = int(node_config.get("partition-id", 0))
     if "num-partitions" in node_config and int(node_config["num-partitions"]) != cfg.num_clients:

@@ -96,6 +96,15 @@ def test_client_app_module_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
+def test_client_app_module_defers_the_config_models():
+    # a train or evaluate message's ClientApp process does not build the run config's pydantic models (~6 ms of
+    # CPU per message); a query message's does, on its first call of node_run_config
+    code = ("import sys, client.app; assert 'common.config' not in sys.modules; "
+            "from client.node_request import node_run_config; node_run_config({}, {}); "
+            "assert 'common.config' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 def test_worker_gives_the_in_process_posterior_bit_for_bit(worker):
     sock, proc = worker
     local, local_rows = _run({})
