@@ -349,8 +349,15 @@ def main(argv: list[str] | None = None) -> None:
         check_socket_dir(args.socket)  # before the slow torch import
     except (SocketDirectoryError, OSError) as err:
         sys.exit(f"[warm-worker] {err}")
+    from common import explicit_step, native
     from common.runtime import configure_compute  # imports torch
 
+    try:  # a bad compute switch stops the worker now (before round 1), not at its first request
+        native.disabled_by_environment()
+        native.openmp_disabled_by_environment()
+        explicit_step.disabled_by_environment()
+    except ValueError as err:
+        sys.exit(f"[warm-worker] {err}")
     configure_compute(args.torch_threads)
     served = serve(args.socket, handshake_timeout=args.handshake_timeout_s)
     print(f"[warm-worker] stopped after {served} requests", file=sys.stderr, flush=True)

@@ -89,6 +89,11 @@ def disabled_by_environment() -> bool:
     return not env_flag("PGVI_FUSED_KERNELS", True)
 
 
+def openmp_disabled_by_environment() -> bool:
+    """``PGVI_KERNEL_OPENMP=0``: the kernels' parallel loops on Python threads, not torch's OpenMP pool."""
+    return not env_flag("PGVI_KERNEL_OPENMP", True)
+
+
 def _compiler() -> str | None:
     for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cand and shutil.which(cand):
@@ -167,7 +172,7 @@ def openmp_runtime() -> Path | None:
     into this process, or ``None``: ATen's parallel backend is not OpenMP, torch's ``libgomp`` cannot be told
     apart (:func:`_choose_openmp_runtime`), none is mapped (another OpenMP runtime, or not Linux), or
     ``PGVI_KERNEL_OPENMP=0``.  Detected once per process."""
-    if not env_flag("PGVI_KERNEL_OPENMP", True):
+    if openmp_disabled_by_environment():
         return None
     return _detected_openmp_runtime()
 
@@ -309,4 +314,5 @@ def run_parallel(library: NativeLibrary, call: Callable[[int, int, int], None], 
 
 
 __all__ = ["FLAGS", "PRELUDE", "NativeLibrary", "cache_dir", "compile_flags", "compile_library",
-           "disabled_by_environment", "openmp_flags", "openmp_runtime", "run_chunks", "run_parallel"]
+           "disabled_by_environment", "openmp_disabled_by_environment", "openmp_flags", "openmp_runtime",
+           "run_chunks", "run_parallel"]

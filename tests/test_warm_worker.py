@@ -371,6 +371,18 @@ def test_worker_refuses_a_socket_dir_that_is_not_private_and_leaves_it_alone(tmp
     assert not sock.exists() and not warm_worker.key_path(sock).exists()
 
 
+@pytest.mark.parametrize("var", ["PGVI_FUSED_KERNELS", "PGVI_KERNEL_OPENMP", "PGVI_EXPLICIT_STEP"])
+def test_worker_refuses_a_bad_compute_switch_before_it_listens(tmp_path, var):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    sock = private / "w.sock"
+    res = subprocess.run([sys.executable, "-m", "client.warm_worker", "--socket", str(sock)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, var: "fasle"})
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1].startswith(f"[warm-worker] {var}='fasle' must be 0 or 1"), res.stderr
+    assert not sock.exists() and not warm_worker.key_path(sock).exists()
+
+
 def test_check_socket_dir_never_chmods_an_existing_directory(tmp_path, monkeypatch):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
