@@ -1235,7 +1235,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--drop-caches only applies with --sim-cgroup or --sim-memory-limit-mb")
     # `kill <pid>` (or `timeout`) unwinds like Ctrl-C, once: the parts' finally blocks stop the deployment or the
     # simulation's SuperLink and kill what is left of the tree (a second SIGTERM during that cleanup is ignored)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run_parts(args, parts)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_parts(args: argparse.Namespace, parts: list[str]) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"bench_network: parts {parts}; {os.cpu_count()} cores; python {sys.version.split()[0]}; "
           f"workdir {args.workdir}", flush=True)
