@@ -73,8 +73,9 @@ def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
 
 
-def _parse_layout(layout: object) -> list[tuple[str, tuple[int, ...]]]:
-    """A peer's layout string, checked: names unique strings, dimensions non-negative ints, bounded sizes."""
+def _parse_layout(layout: object) -> list[tuple[str, tuple[int, ...], int]]:
+    """A peer's layout string, checked: names unique strings, dimensions non-negative ints, bounded sizes.
+    Returns ``(name, shape, number of scalars)`` per tensor, in order."""
     if not isinstance(layout, str) or len(layout) > MAX_LAYOUT_CHARS:
         raise ShapeMismatchError("layout must be a string of at most 2^20 characters")
     try:
@@ -83,7 +84,7 @@ def _parse_layout(layout: object) -> list[tuple[str, tuple[int, ...]]]:
         raise ShapeMismatchError(f"layout is not JSON: {_short(str(err))}") from None
     if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
         raise ShapeMismatchError("layout must be a list of at most 2^14 [name, shape] entries")
-    out: list[tuple[str, tuple[int, ...]]] = []
+    out: list[tuple[str, tuple[int, ...], int]] = []
     total = 0
     for entry in entries:
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
@@ -100,8 +101,8 @@ def _parse_layout(layout: object) -> list[tuple[str, tuple[int, ...]]]:
         total += size
         if total >= MAX_SCALARS:
             raise ShapeMismatchError("layout describes 2^31 scalars or more")
-        out.append((entry[0], shape))
-    if len({name for name, _ in out}) != len(out):
+        out.append((entry[0], shape, size))  # exact: a size past the bound has raised above
+    if len({name for name, _, _ in out}) != len(out):
         raise ShapeMismatchError("layout names a tensor twice")
     return out
 
@@ -155,17 +156,16 @@ def decode_arrays(record: ArrayRecord, layout: object,
             _check_array_header(k, arr, shapes[k])
         return {k: _load(k, arr, shapes[k]) for k, arr in record.items()}
     entries = _parse_layout(layout)
-    _check_names(dict(entries), expected)
+    _check_names({name: shape for name, shape, _ in entries}, expected)
     if set(record.keys()) != {PACKED_KEY}:
         raise ShapeMismatchError(f"a packed record holds one array '{PACKED_KEY}', got {sorted(record.keys())[:5]}")
-    total = sum(math.prod(shape) for _, shape in entries)
+    total = sum(n for _, _, n in entries)
     arr = record[PACKED_KEY]
     _check_array_header(PACKED_KEY, arr, (total,))
     flat = _load(PACKED_KEY, arr, (total,))
     out: dict[str, np.ndarray] = {}
     start = 0
-    for name, shape in entries:
-        n = math.prod(shape)
+    for name, shape, n in entries:
         out[name] = flat[start:start + n].reshape(shape)
         start += n
     return out
