@@ -350,12 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     except (SocketDirectoryError, OSError) as err:
         sys.exit(f"[warm-worker] {err}")
     from common import explicit_step, native
-    from common.runtime import configure_compute  # imports torch
+    from common.runtime import configure_compute, flush_denormals_from_environment  # imports torch
 
     try:  # a bad compute switch stops the worker now (before round 1), not at its first request
         native.disabled_by_environment()
         native.openmp_disabled_by_environment()
         explicit_step.disabled_by_environment()
+        flush_denormals_from_environment()
     except ValueError as err:
         sys.exit(f"[warm-worker] {err}")
     configure_compute(args.torch_threads)

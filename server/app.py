@@ -14,7 +14,7 @@ from client import object_pulls
 from common.config import ConfigError, RunConfig, parse_run_config
 from common.evaluation import evaluate_posterior
 from common.problem import Problem, build_problem, load_full_data
-from common.runtime import configure_compute
+from common.runtime import configure_compute, flush_denormals_from_environment, set_flush_denormals
 from strategies.pgvi import PGVIStrategy
 from strategies.results import RoundRecorder
 
@@ -32,6 +32,8 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
         raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
     if cfg.torch_threads:
         configure_compute(cfg.torch_threads)
+    else:  # torch's thread count stays; subnormals are flushed all the same (the evaluation's softmax)
+        set_flush_denormals(flush_denormals_from_environment())
     problem = build_problem(cfg, data)
     if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
         from strategies.checkpoint import CheckpointMismatch, load_checkpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime import configure_compute
+from common.runtime import configure_compute, flush_denormals_active, set_flush_denormals
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,3 +73,92 @@ def test_tuned_allocator_stops_the_page_faults_of_repeated_steps() -> None:
     # pages are reused
     assert mmap_faults > 40 * 2000, out
     assert tuned_faults < 1000, out
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+_MODE = """
+import sys, torch
+from common.runtime import configure_compute, flush_denormals_active
+threads = int(sys.argv[1])
+configure_compute(threads)
+x = torch.full((threads * 400_000,), 1e-30, dtype=torch.float32)
+tiny = torch.full((64, 64), 1e-20, dtype=torch.float32)
+print(flush_denormals_active(),
+      int(torch.count_nonzero(x * 1e-10)),                      # FTZ: subnormal results of every thread -> 0
+      float(torch.tensor(1e-40, dtype=torch.float32) * 1e10),   # DAZ: a subnormal input counts as 0
+      int(torch.count_nonzero(tiny @ tiny)))                    # MKL's GEMM: 64 * 1e-40, subnormal -> 0
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_configure_compute_flushes_subnormals_in_every_thread(threads) -> None:
+    active, kept, daz, gemm = _run(_MODE.replace("int(sys.argv[1])", str(threads))).stdout.split()
+    assert (active, kept, float(daz), gemm) == ("True", "0", 0.0, "0")
+
+
+def test_flush_switch_off_keeps_gradual_underflow() -> None:
+    active, kept, daz, gemm = _run(_MODE.replace("int(sys.argv[1])", "2"), PGVI_FLUSH_DENORMALS="0").stdout.split()
+    assert active == "False" and int(kept) == 2 * 400_000 and float(daz) > 0 and int(gemm) == 64 * 64
+
+
+def test_a_bad_flush_switch_or_argument_is_an_error_naming_it(monkeypatch) -> None:
+    monkeypatch.setenv("PGVI_FLUSH_DENORMALS", "maybe")
+    with pytest.raises(ValueError, match="PGVI_FLUSH_DENORMALS='maybe' must be 0 or 1"):
+        configure_compute(1)
+    monkeypatch.delenv("PGVI_FLUSH_DENORMALS")
+    for bad in (1, "on", 0.5):
+        with pytest.raises(ValueError, match="flush_denormals"):
+            configure_compute(1, flush_denormals=bad)  # type: ignore[arg-type]
+
+
+def test_a_pool_started_before_configure_compute_is_reported() -> None:
+    # torch's intra-op threads start at the first parallel operation and keep the mode they started with
+    code = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING)
+torch.set_num_threads(2)
+torch.full((800_000,), 1.0) * 2.0  # starts the pool without flush-to-zero
+from common.runtime import configure_compute, flush_denormals_active, set_flush_denormals
+configure_compute(2)
+configure_compute(2)  # probed once
+"""
+    err = _run(code).stderr
+    assert err.count("flush-to-zero is on in this thread but not in all of torch's 2 intra-op threads") == 1, err
+
+
+def test_losses_stay_finite_and_unchanged_when_a_probability_underflows() -> None:
+    # the true class 100 nats below the best: p = e^-100 ~ 4e-44, subnormal in float32
+    from common.likelihoods import CategoricalOutput
+    from common.losses import make_loss
+
+    logits = torch.tensor([[[0.0, 2.0, -100.0, 1.0], [3.0, -1.0, 0.5, -100.0]]], dtype=torch.float32)
+    y = torch.tensor([2, 3])
+    losses = [make_loss("nll"), make_loss("gce", delta=0.8), make_loss("beta", beta=1.5),
+              make_loss("gamma", gamma=1.5)]
+
+    def values_and_grads():
+        out = []
+        for loss in losses:
+            z = logits.clone().requires_grad_(True)
+            value = loss(CategoricalOutput(z), y).sum()
+            (grad,) = torch.autograd.grad(value, z)
+            out.append((value.detach(), grad))
+        return out
+
+    assert flush_denormals_active() is False  # pytest's process: IEEE gradual underflow
+    ieee = values_and_grads()
+    try:
+        assert set_flush_denormals(True)
+        flushed = values_and_grads()
+    finally:
+        set_flush_denormals(False)
+    for loss, (v0, g0), (v1, g1) in zip(losses, ieee, flushed):
+        assert torch.isfinite(v1) and torch.isfinite(g1).all(), loss
+        torch.testing.assert_close(v1, v0, rtol=1e-6, atol=0.0, msg=str(loss))
+        torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-37, msg=str(loss))

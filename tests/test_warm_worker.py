@@ -371,7 +371,7 @@ def test_worker_refuses_a_socket_dir_that_is_not_private_and_leaves_it_alone(tmp
     assert not sock.exists() and not warm_worker.key_path(sock).exists()
 
 
-@pytest.mark.parametrize("var", ["PGVI_FUSED_KERNELS", "PGVI_KERNEL_OPENMP", "PGVI_EXPLICIT_STEP"])
+@pytest.mark.parametrize("var", ["PGVI_FUSED_KERNELS", "PGVI_KERNEL_OPENMP", "PGVI_EXPLICIT_STEP", "PGVI_FLUSH_DENORMALS"])
 def test_worker_refuses_a_bad_compute_switch_before_it_listens(tmp_path, var):
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
