@@ -1,10 +1,10 @@
 """The project's environment variables, read one way: on/off switches and numbers.
 
-A switch (``PGVI_FUSED_KERNELS``, ``PGVI_KERNEL_OPENMP``, ``PGVI_EXPLICIT_STEP``, ``PGVI_FAB_CACHE``) is unset or
-empty (its default) or one of ``1 true yes on`` / ``0 false no off``, in any case, blanks around it ignored.  A
-number (the paced SuperNode's waits, the first object-pull retry) is unset or empty (its default) or a float.
-Anything else is a ``ValueError`` that names the variable and its value: a typo never silently means the
-default.
+A switch (``PGVI_FUSED_KERNELS``, ``PGVI_KERNEL_OPENMP``, ``PGVI_EXPLICIT_STEP``, ``PGVI_FLUSH_DENORMALS``,
+``PGVI_FAB_CACHE``) is unset or empty (its default) or one of ``1 true yes on`` / ``0 false no off``, in any case,
+blanks around it ignored.  A number (the paced SuperNode's waits, the first object-pull retry) is unset or empty
+(its default) or a float.  Anything else is a ``ValueError`` that names the variable and its value: a typo never
+silently means the default.
 """
 
 from __future__ import annotations
