@@ -17,7 +17,7 @@ from common.config import RunConfig, parse_run_config
 from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_probs, sgd_epochs
 from common.metrics import classification_metrics
 from common.problem import ArraysSplit, client_shard
-from common.runtime import configure_compute
+from common.runtime import configure_threads, subnormals_flushed
 
 app = ClientApp()
 
@@ -31,7 +31,7 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit,
     cfg = parse_run_config(dict(context.run_config))
     nc = context.node_config
     partition_id = int(nc.get("partition-id", 0))
-    configure_compute(int(nc.get("torch-threads", cfg.torch_threads or 1)))
+    configure_threads(int(nc.get("torch-threads", cfg.torch_threads or 1)))
     shard = _shard(cfg, partition_id)
     if shard.num_classes < 2:
         raise ValueError("the FedAvg baseline needs a classification dataset")
@@ -48,7 +48,8 @@ def train(msg: Message, context: Context) -> Message:
                     epochs=cfg.fedavg_local_epochs, batch_size=cfg.fedavg_batch_size,
                     seed=cfg.seed * 100_003 + partition_id * 1_009 + rnd)
     start = time.perf_counter()
-    trace = sgd_epochs(model, shard.x_train, shard.y_train, sgd)
+    with subnormals_flushed():
+        trace = sgd_epochs(model, shard.x_train, shard.y_train, sgd)
     seconds = time.perf_counter() - start
     metrics = MetricRecord({"num-examples": len(shard.y_train), "train-loss": trace[-1], "client-seconds": seconds,
                             "epochs": float(len(trace))})
@@ -60,5 +61,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     _, _, shard, model = _setup(msg, context)
     out = {"num-examples": float(len(shard.y_test))}
     if len(shard.y_test):
-        out.update(classification_metrics(predict_probs(model, shard.x_test), shard.y_test))
+        with subnormals_flushed():
+            out.update(classification_metrics(predict_probs(model, shard.x_test), shard.y_test))
     return Message(RecordDict({"metrics": MetricRecord(out)}), reply_to=msg)

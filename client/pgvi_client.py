@@ -24,7 +24,7 @@ from common.config import RunConfig
 from common.errors import PGVIError
 from common.evaluation import evaluate_posterior
 from common.problem import ArraysSplit, Problem, build_problem, client_shard
-from common.runtime import configure_compute
+from common.runtime import configure_threads, subnormals_flushed
 
 from client.node_request import InjectedFault, Request, Result, Scalar, node_run_config
 
@@ -117,7 +117,12 @@ def handle(req: Request) -> Result:
     is never saved; ``lose-reply`` is the caller's (the state is saved, then the reply is lost).
     """
     cfg, partition_id, client_id = node_run_config(req.run_config, req.node_config)
-    configure_compute(int(req.node_config.get("torch-threads", cfg.torch_threads or 1)))
+    configure_threads(int(req.node_config.get("torch-threads", cfg.torch_threads or 1)))
+    with subnormals_flushed():  # this thread's own mode again afterwards (the caller may be an in-process Grid)
+        return _serve(req, cfg, partition_id, client_id)
+
+
+def _serve(req: Request, cfg: RunConfig, partition_id: int, client_id: str) -> Result:
     problem, shard = _problem_and_shard(cfg, partition_id)
     client = PGVIClient(problem, shard, client_id, req.state)
     arrays = [req.posterior[k] for k in client.names]

@@ -20,8 +20,8 @@ hundred cycles or more.  In a 10-client Fashion-MNIST run of the 784-200-10 BNN 
 ``docs/bench_network.md`` section 1o) a client's local update took 1.39, 1.59, 1.93, 2.23 and 2.43 s in rounds
 1-5 with IEEE gradual underflow, and 1.25-1.28 s in every round with flush-to-zero (FTZ) and
 denormals-are-zero (DAZ) on; the test accuracy after each round was the same to the four digits printed.
-:func:`configure_compute` therefore turns both on (``torch.set_flush_denormal``) unless
-``PGVI_FLUSH_DENORMALS=0``.  What that changes: a float32 result below 1.2e-38 (float64: 2.2e-308) becomes 0,
+:func:`configure_compute` and :func:`subnormals_flushed` therefore turn both on (``torch.set_flush_denormal``)
+unless ``PGVI_FLUSH_DENORMALS=0``.  What that changes: a float32 result below 1.2e-38 (float64: 2.2e-308) becomes 0,
 and such an input counts as 0.  The core computes log-probabilities in log space (``log_softmax``,
 ``logsumexp``), so no loss, divergence or metric turns into ``-inf`` because a probability underflowed.
 
@@ -29,6 +29,10 @@ The mode is a property of each CPU thread (x86 ``MXCSR``).  A thread inherits it
 it, so :func:`configure_compute` sets it before it sets the thread count: torch's intra-op threads, started at
 the first parallel operation, then have it too.  Where that pool was started earlier, its threads keep the old
 mode; :func:`configure_compute` checks them (with more than one thread) and logs one warning.
+:func:`configure_compute` is for processes that are ours (a warm worker, the ServerApp, a benchmark).  A client
+update can also run in someone else's process (an in-process Grid, a test, a library user's program): there
+:func:`configure_threads` sets the threads and :func:`subnormals_flushed` turns the mode on for the update only
+and gives the calling thread its own mode back.
 
 The settings are idempotent and cheap; the allocator change is made once per process and is a no-op where
 ``mallopt`` is missing (macOS, Windows) or ignored (musl).
@@ -40,6 +44,8 @@ import ctypes
 import ctypes.util
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -118,21 +124,51 @@ def _pool_threads_keeping_subnormals(threads: int) -> int:
     return int(torch.count_nonzero(x * _PROBE_B))
 
 
-def configure_compute(threads: int, *, flush_denormals: bool | None = None) -> None:
-    """Run torch with ``threads`` intra-op threads, flush subnormals to zero, and tune the allocator (once per
-    process).  ``flush_denormals=None`` reads :data:`ENV_FLUSH_DENORMALS` (default on); see the module docstring."""
+def configure_threads(threads: int) -> None:
+    """Run torch with ``threads`` intra-op threads and tune the allocator (once per process); the floating-point
+    mode is left as it is (code that runs in a process it does not own pairs this with :func:`subnormals_flushed`)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    tune_allocator()
+
+
+def configure_compute(threads: int, *, flush_denormals: bool | None = None) -> None:
+    """For a process that is ours (a warm worker, the ServerApp, a benchmark): flush subnormals to zero from now
+    on in this thread and the intra-op threads it starts, then :func:`configure_threads`.  ``flush_denormals=None``
+    reads :data:`ENV_FLUSH_DENORMALS` (default on); see the module docstring."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    flush = _flush_setting(flush_denormals)
+    if flush_denormals_active() != flush and not set_flush_denormals(flush):
+        _LOG.debug("could not turn flush-to-zero %s on this CPU", "on" if flush else "off")
+    configure_threads(threads)  # after the mode: threads started from here on inherit it
+    if flush and threads > 1 and flush_denormals_active():
+        _warn_if_pool_keeps_subnormals(threads)
+
+
+@contextmanager
+def subnormals_flushed(flush_denormals: bool | None = None) -> Iterator[bool]:
+    """The mode of :func:`configure_compute` on this thread for the ``with`` block only, then the caller's mode
+    again: for a client update that runs inside a process it does not own (an in-process Grid, a simulation
+    actor, a library user's program).  Yields whether subnormals are flushed inside the block."""
+    flush = _flush_setting(flush_denormals)
+    before = flush_denormals_active()
+    if before != flush:
+        set_flush_denormals(flush)
+    try:
+        yield flush_denormals_active()
+    finally:
+        if flush_denormals_active() != before:
+            set_flush_denormals(before)
+
+
+def _flush_setting(flush_denormals: bool | None) -> bool:
     flush = flush_denormals_from_environment() if flush_denormals is None else flush_denormals
     if not isinstance(flush, bool):
         raise ValueError(f"flush_denormals must be a bool or None, got {flush_denormals!r}")
-    if flush_denormals_active() != flush and not set_flush_denormals(flush):
-        _LOG.debug("could not turn flush-to-zero %s on this CPU", "on" if flush else "off")
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)  # after the mode: threads started from here on inherit it
-    tune_allocator()
-    if flush and threads > 1 and flush_denormals_active():
-        _warn_if_pool_keeps_subnormals(threads)
+    return flush
 
 
 def _warn_if_pool_keeps_subnormals(threads: int) -> None:
@@ -153,8 +189,10 @@ __all__ = [
     "MMAP_THRESHOLD_BYTES",
     "TRIM_THRESHOLD_BYTES",
     "configure_compute",
+    "configure_threads",
     "flush_denormals_active",
     "flush_denormals_from_environment",
     "set_flush_denormals",
+    "subnormals_flushed",
     "tune_allocator",
 ]

@@ -58,8 +58,6 @@ from common.families import GaussianFactor, MeanFieldGaussian  # noqa: E402
 from common.problem import ArraysSplit, Problem, build_problem  # noqa: E402
 from common.runtime import configure_compute  # noqa: E402
 
-configure_compute(1)
-
 EXPERIMENTS = ("clutter", "influence", "logistic2d")
 LOCAL_EPOCHS = 10  # Adam warm start (one full-batch step per epoch); the L-BFGS polish then converges
 QUAD_1D = 10  # Gauss-Hermite nodes for the 1-D non-conjugate losses (16 nodes agree to 1e-6)
@@ -594,6 +592,7 @@ def _plot_logistic(path: Path, data: Any, state: dict[str, Any]) -> None:
 
 # ==================================================================================================
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    configure_compute(1)  # here, not at import: importing the module must not change the process's torch settings
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=(*EXPERIMENTS, "all"))
     ap.add_argument("--seeds", type=int, default=None, help="seeds (default: clutter 10, influence 1, logistic2d 3)")

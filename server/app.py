@@ -14,7 +14,7 @@ from client import object_pulls
 from common.config import ConfigError, RunConfig, parse_run_config
 from common.evaluation import evaluate_posterior
 from common.problem import Problem, build_problem, load_full_data
-from common.runtime import configure_compute, flush_denormals_from_environment, set_flush_denormals
+from common.runtime import configure_threads, flush_denormals_from_environment, subnormals_flushed
 from strategies.pgvi import PGVIStrategy
 from strategies.results import RoundRecorder
 
@@ -31,9 +31,8 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
     except ValueError as err:  # e.g. a test-fraction that leaves too few points for the split
         raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
     if cfg.torch_threads:
-        configure_compute(cfg.torch_threads)
-    else:  # torch's thread count stays; subnormals are flushed all the same (the evaluation's softmax)
-        set_flush_denormals(flush_denormals_from_environment())
+        configure_threads(cfg.torch_threads)
+    flush_denormals_from_environment()  # a bad PGVI_FLUSH_DENORMALS fails here, before round 1
     problem = build_problem(cfg, data)
     if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
         from strategies.checkpoint import CheckpointMismatch, load_checkpoint
@@ -50,7 +49,8 @@ def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) ->
     recorder = RoundRecorder(out_dir, cfg.to_flat())
 
     def server_evaluate(q):  # held-out test set of the whole dataset
-        return evaluate_posterior(problem, q, data.x_test, data.y_test, cfg.eval_samples, seed=cfg.seed)
+        with subnormals_flushed():  # on the evaluating thread, for this call (the process may be a test's)
+            return evaluate_posterior(problem, q, data.x_test, data.y_test, cfg.eval_samples, seed=cfg.seed)
 
     strategy = PGVIStrategy(
         problem,

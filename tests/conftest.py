@@ -14,10 +14,13 @@ from common.runtime import flush_denormals_active, set_flush_denormals  # noqa: 
 
 
 @pytest.fixture(autouse=True)
-def _restore_flush_denormals():
-    """A test that runs a client update (``configure_compute``) turns flush-to-zero on in this process; put the
-    mode back so that the next test's floating-point behaviour does not depend on the order of the tests."""
-    before = flush_denormals_active()
+def _ieee_floats_in_every_test():
+    """Every test starts and ends with IEEE gradual underflow on this thread.  A test that runs a client update
+    (``configure_compute``) turns flush-to-zero on for this process; so would a module that called it at import
+    time.  Without this, a test's floating-point behaviour would depend on which tests ran or were collected
+    before it (hypothesis refuses to draw floats when subnormals are flushed)."""
+    if flush_denormals_active():
+        set_flush_denormals(False)
     yield
-    if flush_denormals_active() != before:
-        set_flush_denormals(before)
+    if flush_denormals_active():
+        set_flush_denormals(False)

@@ -162,3 +162,48 @@ def test_losses_stay_finite_and_unchanged_when_a_probability_underflows() -> Non
         assert torch.isfinite(v1) and torch.isfinite(g1).all(), loss
         torch.testing.assert_close(v1, v0, rtol=1e-6, atol=0.0, msg=str(loss))
         torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-37, msg=str(loss))
+
+
+def test_subnormals_flushed_is_scoped_to_its_block() -> None:
+    from common.runtime import subnormals_flushed
+
+    assert flush_denormals_active() is False
+    with subnormals_flushed() as on:
+        assert on is True and flush_denormals_active()
+        with subnormals_flushed(False) as inner:  # nested: the inner block's mode, then the outer one's again
+            assert inner is False and not flush_denormals_active()
+        assert flush_denormals_active()
+    assert flush_denormals_active() is False
+    with pytest.raises(RuntimeError, match="boom"):
+        with subnormals_flushed():
+            raise RuntimeError("boom")
+    assert flush_denormals_active() is False  # restored on the way out of an exception too
+    try:
+        assert set_flush_denormals(True)
+        with subnormals_flushed(False):
+            assert not flush_denormals_active()
+        assert flush_denormals_active()  # a caller that flushes keeps flushing
+    finally:
+        set_flush_denormals(False)
+
+
+def test_a_client_update_runs_flushed_and_gives_the_caller_its_mode_back(monkeypatch) -> None:
+    # an in-process Grid runs the ClientApp in this very thread, as a test or a library user would
+    from client import pgvi_client
+    from tests.test_inprocess import run
+
+    seen = []
+    fit = pgvi_client.PGVIClient.fit
+
+    def recording_fit(self, *args, **kwargs):
+        seen.append(flush_denormals_active())
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(pgvi_client.PGVIClient, "fit", recording_fit)
+    run({"num-server-rounds": 1})
+    assert seen and all(seen), seen
+    assert flush_denormals_active() is False
+    seen.clear()
+    monkeypatch.setenv("PGVI_FLUSH_DENORMALS", "0")
+    run({"num-server-rounds": 1})
+    assert seen and not any(seen), seen
