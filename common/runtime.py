@@ -25,10 +25,13 @@ unless ``PGVI_FLUSH_DENORMALS=0``.  What that changes: a float32 result below 1.
 and such an input counts as 0.  The core computes log-probabilities in log space (``log_softmax``,
 ``logsumexp``), so no loss, divergence or metric turns into ``-inf`` because a probability underflowed.
 
-The mode is a property of each CPU thread (x86 ``MXCSR``).  A thread inherits it from the thread that creates
-it, so :func:`configure_compute` sets it before it sets the thread count: torch's intra-op threads, started at
-the first parallel operation, then have it too.  Where that pool was started earlier, its threads keep the old
-mode; :func:`configure_compute` checks them (with more than one thread) and logs one warning.
+The mode is a property of each CPU thread (x86 ``MXCSR``; on arm64 torch sets the FPCR's flush-to-zero bit,
+which has the same effect, though the x86 slowdown above need not apply there).  A thread inherits it from the
+thread that creates it.  torch's intra-op threads are started at the first parallel operation (and more when the
+thread count grows), not by ``torch.set_num_threads``, so :func:`configure_compute` sets the mode first; where
+the pool was started earlier, its threads keep their old mode: :func:`configure_compute` checks them once per
+thread count (with more than one thread) and logs one warning.  So do Python threads started earlier (the
+kernels' fallback thread pool, ``common/native.py``).
 :func:`configure_compute` is for processes that are ours (a warm worker, the ServerApp, a benchmark).  A client
 update can also run in someone else's process (an in-process Grid, a test, a library user's program): there
 :func:`configure_threads` sets the threads and :func:`subnormals_flushed` turns the mode on for the update only
@@ -69,6 +72,7 @@ _POOL_PROBE_PER_THREAD = 1 << 17
 _lock = threading.Lock()
 _allocator_state: bool | None = None  # None: not tried yet; True: tuned; False: not available
 _pool_checked: set[int] = set()  # thread counts whose pool was probed (once each per process)
+_flush_unsupported = False  # set once torch.set_flush_denormal has had no effect
 
 
 def tune_allocator() -> bool:
@@ -111,11 +115,19 @@ def flush_denormals_active() -> bool:
 
 def set_flush_denormals(on: bool) -> bool:
     """Turn flush-to-zero and denormals-are-zero on or off for this thread (and the threads it starts later);
-    ``True`` if the thread is now in the asked mode (``False`` where the CPU has no such mode: non-x86)."""
+    ``True`` if the thread is now in the asked mode.  ``False`` where torch cannot set the mode on this CPU (x86
+    without DAZ, and architectures other than x86 and arm); it is then not tried again, and logged once."""
+    global _flush_unsupported
     if not isinstance(on, bool):
         raise ValueError(f"on must be a bool, got {on!r}")
-    torch.set_flush_denormal(on)
-    return flush_denormals_active() == on
+    if not _flush_unsupported:
+        torch.set_flush_denormal(on)
+    if flush_denormals_active() == on:
+        return True
+    if not _flush_unsupported:
+        _flush_unsupported = True
+        _LOG.info("torch cannot switch flush-to-zero on this CPU: subnormal numbers keep IEEE gradual underflow")
+    return False
 
 
 def _pool_threads_keeping_subnormals(threads: int) -> int:
@@ -141,9 +153,9 @@ def configure_compute(threads: int, *, flush_denormals: bool | None = None) -> N
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     flush = _flush_setting(flush_denormals)
-    if flush_denormals_active() != flush and not set_flush_denormals(flush):
-        _LOG.debug("could not turn flush-to-zero %s on this CPU", "on" if flush else "off")
-    configure_threads(threads)  # after the mode: threads started from here on inherit it
+    if flush_denormals_active() != flush:
+        set_flush_denormals(flush)
+    configure_threads(threads)  # after the mode: the threads torch starts from here on inherit it
     if flush and threads > 1 and flush_denormals_active():
         _warn_if_pool_keeps_subnormals(threads)
 

@@ -47,7 +47,7 @@ from common.local_gvi import LocalGVIConfig, local_gvi  # noqa: E402
 from common.losses import make_loss  # noqa: E402
 from common import native  # noqa: E402
 from common.models import make_model  # noqa: E402
-from common.runtime import configure_compute  # noqa: E402
+from common.runtime import configure_compute, flush_denormals_from_environment, set_flush_denormals  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -131,7 +131,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads < 1:
         raise SystemExit("--threads must be >= 1")
-    if args.default_allocator:
+    if args.default_allocator:  # the clients' floating-point mode all the same, so that only the allocator differs
+        set_flush_denormals(flush_denormals_from_environment())
         torch.set_num_threads(args.threads)
     else:
         configure_compute(args.threads)

@@ -397,6 +397,7 @@ def _final_predictive(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarra
     sys.path.insert(0, str(ROOT))
     from common.config import parse_run_config
     from common.problem import build_problem, load_full_data
+    from common.runtime import subnormals_flushed
 
     raw = json.loads((run_dir / "run_config.json").read_text())
     raw.pop("method", None)
@@ -414,7 +415,7 @@ def _final_predictive(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarra
     with np.load(run_dir / "posterior.npz") as z:
         q = problem.prior.from_numpy({k: z[k] for k in z.files})
     xt, _ = problem.tensors(data.x_test, data.y_test)
-    with torch.no_grad():
+    with torch.no_grad(), subnormals_flushed():  # as the run's own evaluation (server/app.py)
         gen = torch.Generator().manual_seed(cfg.seed)
         log_probs = problem.model.predictive_log_probs(q, xt, cfg.eval_samples, generator=gen).numpy()
     return np.exp(log_probs), log_probs, data.y_test

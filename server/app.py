@@ -32,7 +32,10 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
         raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
     if cfg.torch_threads:
         configure_threads(cfg.torch_threads)
-    flush_denormals_from_environment()  # a bad PGVI_FLUSH_DENORMALS fails here, before round 1
+    try:  # a bad PGVI_FLUSH_DENORMALS fails here, before round 1
+        flush_denormals_from_environment()
+    except ValueError as err:
+        raise ConfigError(f"invalid environment: {err}") from None
     problem = build_problem(cfg, data)
     if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
         from strategies.checkpoint import CheckpointMismatch, load_checkpoint

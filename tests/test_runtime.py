@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_configure_compute_sets_threads_and_checks_its_argument() -> None:
     before = torch.get_num_threads()
-    try:
-        configure_compute(2)
+    try:  # flush off: a pool started here with the mode on would keep it for the rest of the test session
+        configure_compute(2, flush_denormals=False)
         assert torch.get_num_threads() == 2
-        configure_compute(1)
+        configure_compute(1, flush_denormals=False)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -77,13 +77,14 @@ def test_tuned_allocator_stops_the_page_faults_of_repeated_steps() -> None:
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PGVI_FLUSH_DENORMALS": "", **env})
     assert res.returncode == 0, res.stderr
     return res
 
 
 _MODE = """
-import sys, torch
+import logging, sys, torch
+logging.basicConfig(level=logging.WARNING)
 from common.runtime import configure_compute, flush_denormals_active
 threads = int(sys.argv[1])
 configure_compute(threads)
@@ -98,8 +99,10 @@ print(flush_denormals_active(),
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_configure_compute_flushes_subnormals_in_every_thread(threads) -> None:
-    active, kept, daz, gemm = _run(_MODE.replace("int(sys.argv[1])", str(threads))).stdout.split()
+    res = _run(_MODE.replace("int(sys.argv[1])", str(threads)))
+    active, kept, daz, gemm = res.stdout.split()
     assert (active, kept, float(daz), gemm) == ("True", "0", 0.0, "0")
+    assert "flush-to-zero" not in res.stderr, res.stderr  # the pool started after the mode: no warning
 
 
 def test_flush_switch_off_keeps_gradual_underflow() -> None:
@@ -207,3 +210,31 @@ def test_a_client_update_runs_flushed_and_gives_the_caller_its_mode_back(monkeyp
     monkeypatch.setenv("PGVI_FLUSH_DENORMALS", "0")
     run({"num-server-rounds": 1})
     assert seen and not any(seen), seen
+
+
+def test_a_cpu_without_the_mode_is_told_once_and_not_retried(monkeypatch, caplog) -> None:
+    import common.runtime as R
+
+    calls = []
+    monkeypatch.setattr(R.torch, "set_flush_denormal", lambda on: calls.append(on) or False)  # a CPU without it
+    monkeypatch.setattr(R, "_flush_unsupported", False)
+    with caplog.at_level("INFO", logger="common.runtime"):
+        assert set_flush_denormals(True) is False
+        configure_compute(1)
+        configure_compute(1)
+        with R.subnormals_flushed() as on:
+            assert on is False
+    assert calls == [True]  # tried once
+    assert [r.getMessage() for r in caplog.records].count(
+        "torch cannot switch flush-to-zero on this CPU: subnormal numbers keep IEEE gradual underflow") == 1
+    assert set_flush_denormals(False) is True  # off is what the CPU does anyway
+
+
+def test_a_bad_flush_switch_is_a_config_error_before_round_one(monkeypatch) -> None:
+    from common.config import ConfigError
+    from server.app import prepare
+    from tests.test_inprocess import BASE
+
+    monkeypatch.setenv("PGVI_FLUSH_DENORMALS", "maybe")
+    with pytest.raises(ConfigError, match="invalid environment: PGVI_FLUSH_DENORMALS='maybe' must be 0 or 1"):
+        prepare(dict(BASE))
