@@ -1,7 +1,8 @@
 """Per-process compute settings for the torch work of a client, a worker or a benchmark.
 
 :func:`configure_compute` sets torch's intra-op thread count, flushes subnormal floats to zero, and, on glibc,
-keeps freed heap memory in the process instead of returning it to the kernel after every minibatch step.
+keeps freed heap memory in the process instead of returning it to the kernel after every minibatch step;
+:func:`configure_threads` and :func:`subnormals_flushed` do the same for code that runs in a process it does not own.
 
 Why the allocator: a BNN step allocates and frees a dozen tensors of a few MB (the ``S x B x H``
 activations: 2 MB each for 10 x 256 x 200 floats).  glibc's malloc serves such blocks by ``mmap`` until its
@@ -17,12 +18,12 @@ Why flush subnormals to zero: as a BNN's predictions sharpen over the rounds, mo
 probabilities, and the gradients that carry them, fall below float32's smallest normal number (1.2e-38).  On
 x86 every arithmetic operation that takes or makes such a *subnormal* number can cost a microcode assist of a
 hundred cycles or more.  In a 10-client Fashion-MNIST run of the 784-200-10 BNN (10 local epochs, one thread,
-``docs/bench_network.md`` section 1o) a client's local update took 1.39, 1.59, 1.93, 2.23 and 2.43 s in rounds
-1-5 with IEEE gradual underflow, and 1.25-1.28 s in every round with flush-to-zero (FTZ) and
-denormals-are-zero (DAZ) on; the test accuracy after each round was the same to the four digits printed.
-:func:`configure_compute` and :func:`subnormals_flushed` therefore turn both on (``torch.set_flush_denormal``)
-unless ``PGVI_FLUSH_DENORMALS=0``.  What that changes: a float32 result below 1.2e-38 (float64: 2.2e-308) becomes 0,
-and such an input counts as 0.  The core computes log-probabilities in log space (``log_softmax``,
+``docs/bench_network.md`` section 1o) a client's local update took 1.40, 1.60, 2.00, 2.26 and 2.44 s on average
+in rounds 1-5 with IEEE gradual underflow, and 1.27-1.30 s in every round with flush-to-zero (FTZ) and
+denormals-are-zero (DAZ) on; the final posteriors were bit for bit the same.  :func:`configure_compute` and
+:func:`subnormals_flushed` therefore turn both on (``torch.set_flush_denormal``) unless
+``PGVI_FLUSH_DENORMALS=0``.  What that changes: a float32 result below 1.2e-38 (float64: 2.2e-308) becomes 0, and
+such an input counts as 0.  The core computes log-probabilities in log space (``log_softmax``,
 ``logsumexp``), so no loss, divergence or metric turns into ``-inf`` because a probability underflowed.
 
 The mode is a property of each CPU thread (x86 ``MXCSR``; on arm64 torch sets the FPCR's flush-to-zero bit,
@@ -32,7 +33,7 @@ thread count grows), not by ``torch.set_num_threads``, so :func:`configure_compu
 the pool was started earlier, its threads keep their old mode: :func:`configure_compute` checks them once per
 thread count (with more than one thread) and logs one warning.  So do Python threads started earlier (the
 kernels' fallback thread pool, ``common/native.py``).
-:func:`configure_compute` is for processes that are ours (a warm worker, the ServerApp, a benchmark).  A client
+:func:`configure_compute` is for processes that are ours (a warm worker, a benchmark, a script's ``main``).  A client
 update can also run in someone else's process (an in-process Grid, a test, a library user's program): there
 :func:`configure_threads` sets the threads and :func:`subnormals_flushed` turns the mode on for the update only
 and gives the calling thread its own mode back.
@@ -147,7 +148,7 @@ def configure_threads(threads: int) -> None:
 
 
 def configure_compute(threads: int, *, flush_denormals: bool | None = None) -> None:
-    """For a process that is ours (a warm worker, the ServerApp, a benchmark): flush subnormals to zero from now
+    """For a process that is ours (a warm worker, a benchmark, a script): flush subnormals to zero from now
     on in this thread and the intra-op threads it starts, then :func:`configure_threads`.  ``flush_denormals=None``
     reads :data:`ENV_FLUSH_DENORMALS` (default on); see the module docstring."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
