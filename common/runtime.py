@@ -137,11 +137,15 @@ def _pool_threads_keeping_subnormals(threads: int) -> int:
     return int(torch.count_nonzero(x * _PROBE_B))
 
 
+def _check_threads(threads: object) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+
+
 def configure_threads(threads: int) -> None:
     """Run torch with ``threads`` intra-op threads and tune the allocator (once per process); the floating-point
     mode is left as it is (code that runs in a process it does not own pairs this with :func:`subnormals_flushed`)."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    _check_threads(threads)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     tune_allocator()
@@ -151,8 +155,7 @@ def configure_compute(threads: int, *, flush_denormals: bool | None = None) -> N
     """For a process that is ours (a warm worker, a benchmark, a script): flush subnormals to zero from now
     on in this thread and the intra-op threads it starts, then :func:`configure_threads`.  ``flush_denormals=None``
     reads :data:`ENV_FLUSH_DENORMALS` (default on); see the module docstring."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    _check_threads(threads)  # before the mode changes
     flush = _flush_setting(flush_denormals)
     if flush_denormals_active() != flush:
         set_flush_denormals(flush)

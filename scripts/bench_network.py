@@ -886,7 +886,7 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
     old = os.environ.get(BENCH_MARKER)
     os.environ[BENCH_MARKER] = token  # inherited by flwr, the SuperLink, SuperExec, Ray and its workers
     cgroup = None
-    if args.sim_cgroup or args.sim_memory_limit_mb is not None:
+    if args.sim_cgroup:
         if args.drop_caches:
             drop_page_cache()
             print("page cache dropped (sync; drop_caches=3): the tree is charged for the files it loads", flush=True)
@@ -1226,7 +1226,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--client-venv must be outside the repository")
     parts = [p for p in ("client_rss", "network", "simulation", "latency") if getattr(args, p)] or [
         "client_rss", "network", "simulation"]
-    if args.sim_cgroup or args.sim_memory_limit_mb is not None:
+    args.sim_cgroup = args.sim_cgroup or args.sim_memory_limit_mb is not None  # a limit implies the cgroup
+    if args.sim_cgroup:
         if "simulation" not in parts:
             ap.error("--sim-cgroup / --sim-memory-limit-mb apply to part 2 (--simulation)")
         try:  # now, not after the parts before it: a bad limit or no usable cgroup is an error before any run

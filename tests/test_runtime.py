@@ -30,6 +30,14 @@ def test_configure_compute_sets_threads_and_checks_its_argument() -> None:
             configure_compute(bad)  # type: ignore[arg-type]
 
 
+def _run(code: str, *argv: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -c code argv...`` with this repository importable and no flush switch inherited; must exit 0."""
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PGVI_FLUSH_DENORMALS": "", **env})
+    assert res.returncode == 0, res.stderr
+    return res
+
+
 _FAULTS = """
 import resource, sys, torch
 torch.set_num_threads(1)
@@ -60,26 +68,13 @@ print(faults())
 
 @pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc only")
 def test_tuned_allocator_stops_the_page_faults_of_repeated_steps() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = {}
-    for mode in ("mmap", "tuned"):
-        res = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, env=env,
-                             timeout=300)
-        assert res.returncode == 0, res.stderr
-        out[mode] = [int(v) for v in res.stdout.split()]
+    out = {mode: [int(v) for v in _run(_FAULTS, mode).stdout.split()] for mode in ("mmap", "tuned")}
     mmap_faults = out["mmap"][0]
     tuned_faults = out["tuned"][0]
     # mmap-ed blocks: every step faults its activations in again (~2,500 pages a step); tuned: the same heap
     # pages are reused
     assert mmap_faults > 40 * 2000, out
     assert tuned_faults < 1000, out
-
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "PGVI_FLUSH_DENORMALS": "", **env})
-    assert res.returncode == 0, res.stderr
-    return res
 
 
 _MODE = """
@@ -99,14 +94,14 @@ print(flush_denormals_active(),
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_configure_compute_flushes_subnormals_in_every_thread(threads) -> None:
-    res = _run(_MODE.replace("int(sys.argv[1])", str(threads)))
+    res = _run(_MODE, str(threads))
     active, kept, daz, gemm = res.stdout.split()
     assert (active, kept, float(daz), gemm) == ("True", "0", 0.0, "0")
     assert "flush-to-zero" not in res.stderr, res.stderr  # the pool started after the mode: no warning
 
 
 def test_flush_switch_off_keeps_gradual_underflow() -> None:
-    active, kept, daz, gemm = _run(_MODE.replace("int(sys.argv[1])", "2"), PGVI_FLUSH_DENORMALS="0").stdout.split()
+    active, kept, daz, gemm = _run(_MODE, "2", PGVI_FLUSH_DENORMALS="0").stdout.split()
     assert active == "False" and int(kept) == 2 * 400_000 and float(daz) > 0 and int(gemm) == 64 * 64
 
 
