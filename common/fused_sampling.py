@@ -51,35 +51,49 @@ PHILOX_SOURCE = r"""
 typedef uint32_t pv32 __attribute__((vector_size(4 * PV)));
 typedef uint64_t pv64 __attribute__((vector_size(4 * PV)));
 
-/* high 32 bits of the 64-bit products a_i m, by two widening multiplies of the even and the odd lanes
-   (vpmuludq on x86-64) instead of 64-bit lanes (vpmullq).  GCC emits vpmuludq for the generic form only with
-   AVX-512; with AVX2 it is spelled out (the generic form took 4 ms instead of 0.5 ms per 512k normals). */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+/* the 64-bit products a_i m of the 32-bit lanes of a: their high halves in *hi, their low halves (= a m) in *lo.
+   Two widening multiplies of the even and the odd lanes (vpmuludq on x86-64) give both halves.  GCC writes the
+   generic form below with 64-bit lanes (vpmullq, three uops on Intel) where the CPU has AVX-512 DQ, and as
+   32-bit multiplies spelled out with AVX2 (4 ms instead of 0.5 ms per 512k normals), and it computes the low
+   halves by one more multiply (vpmulld, two uops on Intel); on x86 the intrinsics below do neither (on an
+   AVX-512 Xeon the Philox words of a BNN step took 9 % of it). */
+#if defined(__AVX512F__)
 #include <immintrin.h>
-static inline pv32 mulhi32(pv32 a, uint32_t m) {
+static inline void mulhilo32(pv32 a, uint32_t m, pv32 *hi, pv32 *lo) {
+    __m512i x = (__m512i)a, mm = _mm512_set1_epi32((int)m);
+    __m512i even = _mm512_mul_epu32(x, mm), odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), mm);
+    *hi = (pv32)_mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(even, 32), odd);
+    *lo = (pv32)_mm512_mask_blend_epi32((__mmask16)0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline void mulhilo32(pv32 a, uint32_t m, pv32 *hi, pv32 *lo) {
     __m256i x = (__m256i)a, mm = _mm256_set1_epi32((int)m);
     __m256i even = _mm256_mul_epu32(x, mm), odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mm);
-    return (pv32)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+    *hi = (pv32)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+    *lo = (pv32)_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
 /* on arm64 the generic form became eight scalar multiplies: umull / umull2 and the odd halves (uzp2) instead */
-static inline pv32 mulhi32(pv32 a, uint32_t m) {
+static inline void mulhilo32(pv32 a, uint32_t m, pv32 *hi, pv32 *lo) {
     pv32 r;
     for (int h = 0; h < PV / 4; h++) {
         uint32x4_t x;
         memcpy(&x, (const char *)&a + 16 * h, 16);
-        uint64x2_t lo = vmull_n_u32(vget_low_u32(x), m), hi = vmull_high_n_u32(x, m);
-        uint32x4_t res = vuzp2q_u32(vreinterpretq_u32_u64(lo), vreinterpretq_u32_u64(hi));
+        uint64x2_t l = vmull_n_u32(vget_low_u32(x), m), u = vmull_high_n_u32(x, m);
+        uint32x4_t res = vuzp2q_u32(vreinterpretq_u32_u64(l), vreinterpretq_u32_u64(u));
         memcpy((char *)&r + 16 * h, &res, 16);
     }
-    return r;
+    *hi = r;
+    *lo = a * m;
 }
 #else
-static inline pv32 mulhi32(pv32 a, uint32_t m) {
+static inline void mulhilo32(pv32 a, uint32_t m, pv32 *hi, pv32 *lo) {
     const pv64 low = (pv64){0} + 0xFFFFFFFFull, mm = (pv64){0} + (uint64_t)m;
     pv64 even = ((pv64)a & low) * mm, odd = ((pv64)a >> 32) * mm;
-    return (pv32)((even >> 32) | (odd & ~low));
+    *hi = (pv32)((even >> 32) | (odd & ~low));
+    *lo = a * m;
 }
 #endif
 
@@ -92,8 +106,9 @@ static void philox_tile(uint32_t *restrict w, uint32_t b0, uint32_t s, uint32_t 
         pv32 x0 = iota + (b0 + (uint32_t)b), x1 = (pv32){0} + s, x2 = (pv32){0}, x3 = (pv32){0};
         uint32_t kk0 = k0, kk1 = k1;
         for (int r = 0; r < 10; r++) {
-            pv32 hi0 = mulhi32(x0, 0xD2511F53u), lo0 = x0 * 0xD2511F53u;
-            pv32 hi1 = mulhi32(x2, 0xCD9E8D57u), lo1 = x2 * 0xCD9E8D57u;
+            pv32 hi0, lo0, hi1, lo1;
+            mulhilo32(x0, 0xD2511F53u, &hi0, &lo0);
+            mulhilo32(x2, 0xCD9E8D57u, &hi1, &lo1);
             x0 = hi1 ^ x1 ^ kk0; x1 = lo1; x2 = hi0 ^ x3 ^ kk1; x3 = lo0;
             kk0 += 0x9E3779B9u; kk1 += 0xBB67AE85u;
         }

@@ -150,7 +150,7 @@ def test_arm64_build_gives_the_same_generator_numbers(tmp_path: Path) -> None:
 
 
 def test_avx512_path_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX-512 path (512-bit vectors, generic Philox multiply) cannot run on a CPU without AVX-512, but it
+    """The AVX-512 path (512-bit vectors, its own Philox multiply) cannot run on a CPU without AVX-512, but it
     must build with the flags the kernels use; checked by compiling every kernel for ``x86-64-v4`` through the
     kernels' own build (``native.compile_library``), without loading it."""
     if not _cc_supports("x86-64-v4"):
