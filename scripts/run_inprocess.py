@@ -18,16 +18,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from client.app import app as client_app  # noqa: E402
+from common.config import ConfigError  # noqa: E402
 from server.app import prepare, run_strategy  # noqa: E402
 from strategies.inprocess import InProcessGrid  # noqa: E402
 
 
 def load_run_config(overrides: list[str]) -> dict:
+    """pyproject.toml's run config with the ``-c`` overrides (``flwr run -c``'s syntax, parsed as
+    :func:`scripts.simulate.parse_overrides` does: ``ValueError`` names a malformed one)."""
+    from scripts.simulate import parse_overrides
+
     with open(ROOT / "pyproject.toml", "rb") as f:
         raw = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
-    for kv in overrides:
-        k, _, v = kv.partition("=")
-        raw[k.strip()] = tomllib.loads(f"v = {v}")["v"]
+    for item in overrides:
+        raw.update(parse_overrides(item))
     return raw
 
 
@@ -55,7 +59,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "inprocess")
     ap.add_argument("--method", choices=("pgvi", "fedavg"), default="pgvi")
     args = ap.parse_args()
-    (run_fedavg_baseline if args.method == "fedavg" else run)(load_run_config(args.config), args.out)
+    try:
+        raw = load_run_config(args.config)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        (run_fedavg_baseline if args.method == "fedavg" else run)(raw, args.out)
+    except ConfigError as e:  # a bad run-config value: its message, not a traceback
+        raise SystemExit(f"run_inprocess.py: {e}") from None
 
 
 if __name__ == "__main__":

@@ -249,3 +249,37 @@ def test_asynchronous_default_staleness_scales_with_the_federation():
     _, starved, _ = run({**common, "schedule": "asynchronous", "max-staleness": 2})
     stale = [r for r in starved.rejections if "stale update" in r["reason"]]
     assert len(stale) == 3 * (8 - 3)
+
+
+# ==================================================================================================
+# scripts/run_inprocess.py's command line: a bad override or run-config value is one line, not a traceback
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model=bnn", "model=bnn is not a TOML value (strings need quotes"),
+        ('loss="foo"', "invalid run config: loss: unknown loss 'foo'"),
+        ("no-such-key=1", "no-such-key: unknown run-config key"),
+        ("damping=2", "damping: damping rho must be in (0, 1]"),
+    ],
+)
+def test_run_inprocess_reports_a_bad_override_without_a_traceback(override: str, message: str) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "run_inprocess.py"), "-c", override],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_run_inprocess_overrides_take_flwr_run_syntax() -> None:
+    from scripts.run_inprocess import load_run_config
+
+    raw = load_run_config(['num-server-rounds=2 loss="gce"', "loss-delta=0.5"])
+    assert (raw["num-server-rounds"], raw["loss"], raw["loss-delta"]) == (2, "gce", 0.5)
+    assert raw["model"] == load_run_config([])["model"]  # the rest from pyproject.toml
