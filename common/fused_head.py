@@ -66,9 +66,9 @@ typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4 * VL)));
 
 /* lane_sums(a)[o] = the sum of a[o]'s VL lanes in lane order from 0.0f (what `s = 0; for (i) s += a[o][i]` gives,
    bit for bit) for the VL vectors a[0 .. VL): a VL x VL transpose in log2(VL) stages of two-source shuffles with
-   constant masks, each swapping one bit of the row and lane index, then VL - 1 vector additions.  It replaces VL
-   horizontal sums, each VL dependent scalar additions of extracted lanes (on an AVX-512 Xeon they were 28 % of
-   the head's time). */
+   constant masks, each swapping one bit of the row and lane index, then VL - 1 vector additions, on x86.  It
+   replaces VL horizontal sums, each VL dependent scalar additions of extracted lanes (on an AVX-512 Xeon they
+   were 28 % of the head's time). */
 #define LANES8(F, b) F(b, 0), F(b, 1), F(b, 2), F(b, 3), F(b, 4), F(b, 5), F(b, 6), F(b, 7)
 #define LANES16(F, b) LANES8(F, b), F(b, 8), F(b, 9), F(b, 10), F(b, 11), F(b, 12), F(b, 13), F(b, 14), F(b, 15)
 #if VL == 16
@@ -86,6 +86,7 @@ typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4 * VL)));
             vf hi_ = __builtin_shuffle(t[i], t[i + (b)], (vi){LANES(SWAP_HI, b)});                                \
             t[i] = lo_; t[i + (b)] = hi_;                                                                         \
         }
+#if defined(__AVX2__) || defined(__AVX512F__)
 static inline vf lane_sums(const vf *restrict a) {
     vf t[VL];
     _Pragma("GCC unroll 16")
@@ -101,6 +102,18 @@ static inline vf lane_sums(const vf *restrict a) {
     for (int l = 0; l < VL; l++) r += t[l];
     return r;
 }
+#else
+/* elsewhere (arm64) GCC 12 writes those generic two-source shuffles of 256-bit vectors lane by lane: the scalar sums */
+static inline vf lane_sums(const vf *restrict a) {
+    vf r;
+    for (int o = 0; o < VL; o++) {
+        float s = 0.0f;
+        for (int i = 0; i < VL; i++) s += a[o][i];
+        r[o] = s;
+    }
+    return r;
+}
+#endif
 
 /* G[c] += sum_k F[k CP + c] Xs[k] (rows c of a C x nv-vector weight gradient, F the group's RG x CP loss
    gradients, Xs its RG rows of h or h^2), two classes at a time: one load of Xs feeds two FMAs.  The sum over k

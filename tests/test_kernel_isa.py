@@ -149,6 +149,123 @@ def test_arm64_build_gives_the_same_generator_numbers(tmp_path: Path) -> None:
     assert float((z_arm - z).abs().max()) <= 4e-6  # scalar libm on arm64, libmvec here
 
 
+_HEAD_MAIN = r"""
+#include <stdio.h>
+#include <stdlib.h>
+static void *read_n(FILE *f, size_t size, int64_t n) {
+    void *p = malloc(size * (size_t)(n > 0 ? n : 1));
+    if (!p || fread(p, size, (size_t)n, f) != (size_t)n) { fprintf(stderr, "short read\n"); exit(3); }
+    return p;
+}
+static void print_all(const float *x, int64_t n) { for (int64_t i = 0; i < n; i++) printf("%.9g\n", x[i]); }
+/* argv: input file, k0, k1, gscale.  The file: int64 cases, then per case int64 R, H, C, D, float32 delta and
+   float32 mu, sd (R x H), wm, wv (C x H), bm, bv (C), int64 y (R); every row of a case in one block. */
+int main(int argc, char **argv) {
+    if (argc != 5) return 4;
+    FILE *f = fopen(argv[1], "rb");
+    if (!f) return 5;
+    uint32_t k0 = (uint32_t)strtoul(argv[2], 0, 10), k1 = (uint32_t)strtoul(argv[3], 0, 10);
+    float gscale = strtof(argv[4], 0);
+    int64_t *ncase = read_n(f, 8, 1);
+    for (int64_t n = 0; n < *ncase; n++) {
+        int64_t *dim = read_n(f, 8, 4), R = dim[0], H = dim[1], C = dim[2], D = dim[3];
+        float *delta = read_n(f, 4, 1);
+        float *mu = read_n(f, 4, R * H), *sd = read_n(f, 4, R * H), *wm = read_n(f, 4, C * H),
+              *wv = read_n(f, 4, C * H), *bm = read_n(f, 4, C), *bv = read_n(f, 4, C);
+        int64_t *y = read_n(f, 8, R);
+        float *dmu = calloc(R * H, 4), *dvar = calloc(R * H, 4), *dwm = calloc(C * H, 4), *dwv = calloc(C * H, 4),
+              *dbm = calloc(C, 4), *dbv = calloc(C, 4);
+        double loss = 0.0;
+        int st = pgvi_head_block(mu, sd, R, H, wm, bm, wv, bv, C, y, R, D, k0, k1, *delta, gscale, 1, 0, R, &loss,
+                                 dmu, dvar, dwm, dwv, dbm, dbv);
+        printf("%d\n%.17g\n", st, loss);
+        print_all(dmu, R * H); print_all(dvar, R * H); print_all(dwm, C * H); print_all(dbm, C);
+        print_all(dwv, C * H); print_all(dbv, C);
+    }
+    return 0;
+}
+"""
+#: (R, H, C, D, delta): R not a multiple of the kernel's 4-row groups, H of either vector width, 8 C of the
+#: lane_sums width (3 classes: a partial transpose, and an odd class count for the weight-gradient pairs); the
+#: GCE loss and the NLL.  R <= BLOCK_ROWS: one block on either side, so no partial sums to add.
+_HEAD_CASES = [(37, 37, 3, 4, 0.5), (20, 200, 10, 3, 0.0)]
+
+
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")),
+                    reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user")
+def test_arm64_head_matches_this_machines_head(tmp_path: Path) -> None:
+    """The categorical head built for arm64 (VL 8 vectors through GCC's generic vector extensions, the scalar
+    ``lane_sums``, NEON Philox), run under qemu over every row in one block, against this machine's build (x86:
+    the transposing ``lane_sums``) through :func:`common.fused_head.loss_and_gradients`."""
+    import struct
+
+    import torch
+
+    from common import fused_head, fused_sampling
+
+    if not fused_head.available():
+        pytest.skip("kernels unavailable on this machine")
+    g = torch.Generator().manual_seed(20260101)
+    cases, blob = [], [struct.pack("<q", len(_HEAD_CASES))]
+    for rows, width, classes, draws, delta in _HEAD_CASES:
+        assert rows <= fused_head.BLOCK_ROWS
+        t = {"mu": torch.randn(rows, width, generator=g),
+             "sd": 0.1 + torch.rand(rows, width, generator=g),
+             "wm": torch.randn(classes, width, generator=g) / width**0.5,
+             "wv": (0.01 + torch.rand(classes, width, generator=g)) / width,
+             "bm": 0.1 * torch.randn(classes, generator=g),
+             "bv": 0.01 + 0.1 * torch.rand(classes, generator=g),
+             "y": torch.randint(0, classes, (rows,), generator=g)}
+        cases.append((draws, delta, t))
+        blob.append(struct.pack("<4qf", rows, width, classes, draws, delta))
+        blob += [t[k].numpy().tobytes() for k in ("mu", "sd", "wm", "wv", "bm", "bv", "y")]
+    data = tmp_path / "head_inputs.bin"
+    data.write_bytes(b"".join(blob))
+
+    src = tmp_path / "head_arm64.c"
+    src.write_text(native.PRELUDE + fused_head._C_SOURCE + _HEAD_MAIN, encoding="utf-8")  # noqa: SLF001
+    exe = tmp_path / "head_arm64"
+    flags = [f for f in native.FLAGS if f not in ("-march=native", "-fPIC", "-shared")]
+    subprocess.run(["aarch64-linux-gnu-gcc", *flags, "-march=armv8-a", "-static", str(src), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True, timeout=300)
+    k0, k1 = fused_sampling._split_key(987654321)  # noqa: SLF001
+    gscale = 0.25
+    out = subprocess.run(["qemu-aarch64", str(exe), str(data), str(k0), str(k1), repr(gscale)], capture_output=True,
+                         text=True, check=True, timeout=300).stdout.split()
+
+    pos = 0
+    for draws, delta, t in cases:
+        rows, width = t["mu"].shape
+        classes = t["wm"].shape[0]
+        status, loss_arm = int(out[pos]), float(out[pos + 1])
+        pos += 2
+        assert status == 0
+        arm = []
+        for shape in ((rows, width), (rows, width), (classes, width), (classes,), (classes, width), (classes,)):
+            n = int(torch.Size(shape).numel())
+            arm.append(torch.tensor([float(v) for v in out[pos:pos + n]]).reshape(shape))
+            pos += n
+        loss, grads = fused_head.loss_and_gradients(t["mu"], t["sd"], t["wm"], t["bm"], t["wv"], t["bv"], t["y"],
+                                                    draws, delta, gscale, k0, k1, True)
+        assert grads is not None
+        assert torch.isfinite(torch.tensor([loss, loss_arm])).all()
+        # Not bit for bit: the builds share the generator's integers and the summation orders that do not depend
+        # on the vector width, but the normals and exp/log come from scalar libm on arm64 and libmvec here (last
+        # bits, see the generator test), and the dot products over H and the weight gradients run in VL = 8 lanes
+        # there and 16 here with AVX-512.  Seen: losses (double sums of float rows) within 3e-9 relative, every
+        # gradient entry within 3e-7 of its tensor's largest entry, small entries (cancellation) up to 4e-4
+        # relative; hence an atol relative to the largest entry, rtol 1e-4.  A wrong lane of lane_sums' transpose
+        # moves the loss by ~1e-2 relative and entries by ~4e-2 of the largest.
+        assert loss_arm == pytest.approx(loss, rel=1e-6)
+        names = ("dmu", "dvar", "dwm", "dbm", "dwv", "dbv")
+        for name, a, b in zip(names, arm, grads, strict=True):
+            assert a.shape == b.shape, name
+            scale = float(b.abs().max())
+            assert scale > 0, name
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, nm=name: f"{nm}: {m}")
+    assert pos == len(out)
+
+
 def test_avx512_path_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX-512 path (512-bit vectors, its own Philox multiply) cannot run on a CPU without AVX-512, but it
     must build with the flags the kernels use; checked by compiling every kernel for ``x86-64-v4`` through the
