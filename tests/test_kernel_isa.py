@@ -118,6 +118,17 @@ int main(int argc, char **argv) {
 """
 
 
+def _build_arm64(tmp_path: Path, name: str, source: str) -> Path:
+    """``source`` (a kernel's C source and a ``main``) built as a static arm64 executable with the kernels' flags."""
+    src = tmp_path / f"{name}.c"
+    src.write_text(native.PRELUDE + source, encoding="utf-8")
+    exe = tmp_path / name
+    flags = [f for f in native.FLAGS if f not in ("-march=native", "-fPIC", "-shared")]
+    subprocess.run(["aarch64-linux-gnu-gcc", *flags, "-march=armv8-a", "-static", str(src), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True, timeout=300)
+    return exe
+
+
 @pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")),
                     reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user")
 def test_arm64_build_gives_the_same_generator_numbers(tmp_path: Path) -> None:
@@ -126,12 +137,7 @@ def test_arm64_build_gives_the_same_generator_numbers(tmp_path: Path) -> None:
 
     from common import fused_sampling
 
-    src = tmp_path / "philox_arm64.c"
-    src.write_text(native.PRELUDE + fused_sampling._C_SOURCE + _ARM_MAIN, encoding="utf-8")  # noqa: SLF001
-    exe = tmp_path / "philox_arm64"
-    flags = [f for f in native.FLAGS if f not in ("-march=native", "-fPIC", "-shared")]
-    subprocess.run(["aarch64-linux-gnu-gcc", *flags, "-march=armv8-a", "-static", str(src), "-o", str(exe), "-lm"],
-                   check=True, capture_output=True, timeout=300)
+    exe = _build_arm64(tmp_path, "philox_arm64", fused_sampling._C_SOURCE + _ARM_MAIN)  # noqa: SLF001
     asm = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(exe)], capture_output=True, text=True, check=True)
     assert "umull" in asm.stdout  # the NEON multiply path was built, not the scalar fallback
     k0, k1 = fused_sampling._split_key(123456789)  # noqa: SLF001
@@ -222,12 +228,7 @@ def test_arm64_head_matches_this_machines_head(tmp_path: Path) -> None:
     data = tmp_path / "head_inputs.bin"
     data.write_bytes(b"".join(blob))
 
-    src = tmp_path / "head_arm64.c"
-    src.write_text(native.PRELUDE + fused_head._C_SOURCE + _HEAD_MAIN, encoding="utf-8")  # noqa: SLF001
-    exe = tmp_path / "head_arm64"
-    flags = [f for f in native.FLAGS if f not in ("-march=native", "-fPIC", "-shared")]
-    subprocess.run(["aarch64-linux-gnu-gcc", *flags, "-march=armv8-a", "-static", str(src), "-o", str(exe), "-lm"],
-                   check=True, capture_output=True, timeout=300)
+    exe = _build_arm64(tmp_path, "head_arm64", fused_head._C_SOURCE + _HEAD_MAIN)  # noqa: SLF001
     k0, k1 = fused_sampling._split_key(987654321)  # noqa: SLF001
     gscale = 0.25
     out = subprocess.run(["qemu-aarch64", str(exe), str(data), str(k0), str(k1), repr(gscale)], capture_output=True,
