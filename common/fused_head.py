@@ -65,10 +65,10 @@ typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4 * VL)));
 
 
 /* lane_sums(a)[o] = the sum of a[o]'s VL lanes in lane order from 0.0f (what `s = 0; for (i) s += a[o][i]` gives,
-   bit for bit) for the VL vectors a[0 .. VL): a VL x VL transpose in log2(VL) stages of two-source shuffles with
-   constant masks, each swapping one bit of the row and lane index, then VL - 1 vector additions, on x86.  It
-   replaces VL horizontal sums, each VL dependent scalar additions of extracted lanes (on an AVX-512 Xeon they
-   were 28 % of the head's time). */
+   bit for bit, but for which of two NaNs survives) for the VL vectors a[0 .. VL): on x86 a VL x VL transpose in
+   log2(VL) stages of two-source shuffles with constant masks, each swapping one bit of the row and lane index,
+   then VL - 1 vector additions.  It replaces VL horizontal sums, each VL dependent scalar additions of extracted
+   lanes (on an AVX-512 Xeon they were 28 % of the head's time). */
 #define LANES8(F, b) F(b, 0), F(b, 1), F(b, 2), F(b, 3), F(b, 4), F(b, 5), F(b, 6), F(b, 7)
 #define LANES16(F, b) LANES8(F, b), F(b, 8), F(b, 9), F(b, 10), F(b, 11), F(b, 12), F(b, 13), F(b, 14), F(b, 15)
 #if VL == 16
@@ -78,15 +78,20 @@ typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4 * VL)));
 #endif
 #define SWAP_LO(b, j) (((j) & (b)) ? VL + ((j) ^ (b)) : (j))  /* lane j: a_i[j], or a_{i+b}[j - b] */
 #define SWAP_HI(b, j) (((j) & (b)) ? VL + (j) : ((j) ^ (b)))  /* lane j: a_i[j + b], or a_{i+b}[j] */
+#if defined(__clang__) /* the same two-source shuffle: clang takes the lane indices as arguments */
+#define SHUFFLE2(x, y, F, b) __builtin_shufflevector(x, y, LANES(F, b))
+#else
+#define SHUFFLE2(x, y, F, b) __builtin_shuffle(x, y, (vi){LANES(F, b)})
+#endif
 #define TRANSPOSE_STAGE(t, b)                                                                                     \
     _Pragma("GCC unroll 16")                                                                                      \
     for (int i = 0; i < VL; i++)                                                                                  \
         if (!(i & (b))) {                                                                                         \
-            vf lo_ = __builtin_shuffle(t[i], t[i + (b)], (vi){LANES(SWAP_LO, b)});                                \
-            vf hi_ = __builtin_shuffle(t[i], t[i + (b)], (vi){LANES(SWAP_HI, b)});                                \
+            vf lo_ = SHUFFLE2(t[i], t[i + (b)], SWAP_LO, b), hi_ = SHUFFLE2(t[i], t[i + (b)], SWAP_HI, b);        \
             t[i] = lo_; t[i + (b)] = hi_;                                                                         \
         }
-#if defined(__AVX2__) || defined(__AVX512F__)
+/* PGVI_SCALAR_LANE_SUMS: the scalar form on x86 too (tests/test_kernel_isa.py compares the two builds) */
+#if (defined(__AVX2__) || defined(__AVX512F__)) && !defined(PGVI_SCALAR_LANE_SUMS)
 static inline vf lane_sums(const vf *restrict a) {
     vf t[VL];
     _Pragma("GCC unroll 16")

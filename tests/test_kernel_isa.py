@@ -4,7 +4,9 @@ The C sources choose their vector widths and the Philox multiply by the target's
 ``__AVX2__``, neither: the generic path that arm64 also takes).  A test run only ever builds the machine's own
 path, so here the kernel test modules run again in fresh interpreters with ``PGVI_KERNEL_MARCH`` set to the
 baseline ``x86-64`` (SSE2: generic path) and ``x86-64-v3`` (AVX2 without AVX-512), each with its own kernel
-cache; and the generator's raw words and normals are compared across the builds.
+cache; and the generator's raw words and normals are compared across the builds.  Also: the head's two forms of
+its lane sums against each other, the kernels built by clang, and the generator and the head built for arm64 and
+run under qemu.
 """
 
 from __future__ import annotations
@@ -197,23 +199,18 @@ int main(int argc, char **argv) {
 _HEAD_CASES = [(37, 37, 3, 4, 0.5), (20, 200, 10, 3, 0.0)]
 
 
-@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")),
-                    reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user")
-def test_arm64_head_matches_this_machines_head(tmp_path: Path) -> None:
-    """The categorical head built for arm64 (VL 8 vectors through GCC's generic vector extensions, the scalar
-    ``lane_sums``, NEON Philox), run under qemu over every row in one block, against this machine's build (x86:
-    the transposing ``lane_sums``) through :func:`common.fused_head.loss_and_gradients`."""
+def _write_head_inputs(path: Path, specs: list[tuple[int, int, int, int, float]]) -> tuple[Path, list]:
+    """Deterministic inputs of ``_HEAD_MAIN`` for each ``(R, H, C, D, delta)`` in ``specs``, written to ``path``;
+    returns it and ``[(D, delta, tensors)]`` (positive scales and variances, labels in ``[0, C)``)."""
     import struct
 
     import torch
 
-    from common import fused_head, fused_sampling
+    from common import fused_head
 
-    if not fused_head.available():
-        pytest.skip("kernels unavailable on this machine")
     g = torch.Generator().manual_seed(20260101)
-    cases, blob = [], [struct.pack("<q", len(_HEAD_CASES))]
-    for rows, width, classes, draws, delta in _HEAD_CASES:
+    cases, blob = [], [struct.pack("<q", len(specs))]
+    for rows, width, classes, draws, delta in specs:
         assert rows <= fused_head.BLOCK_ROWS
         t = {"mu": torch.randn(rows, width, generator=g),
              "sd": 0.1 + torch.rand(rows, width, generator=g),
@@ -225,8 +222,23 @@ def test_arm64_head_matches_this_machines_head(tmp_path: Path) -> None:
         cases.append((draws, delta, t))
         blob.append(struct.pack("<4qf", rows, width, classes, draws, delta))
         blob += [t[k].numpy().tobytes() for k in ("mu", "sd", "wm", "wv", "bm", "bv", "y")]
-    data = tmp_path / "head_inputs.bin"
-    data.write_bytes(b"".join(blob))
+    path.write_bytes(b"".join(blob))
+    return path, cases
+
+
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")),
+                    reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user")
+def test_arm64_head_matches_this_machines_head(tmp_path: Path) -> None:
+    """The categorical head built for arm64 (VL 8 vectors through GCC's generic vector extensions, the scalar
+    ``lane_sums``, NEON Philox), run under qemu over every row in one block, against this machine's build (x86:
+    the transposing ``lane_sums``) through :func:`common.fused_head.loss_and_gradients`."""
+    import torch
+
+    from common import fused_head, fused_sampling
+
+    if not fused_head.available():
+        pytest.skip("kernels unavailable on this machine")
+    data, cases = _write_head_inputs(tmp_path / "head_inputs.bin", _HEAD_CASES)
 
     exe = _build_arm64(tmp_path, "head_arm64", fused_head._C_SOURCE + _HEAD_MAIN)  # noqa: SLF001
     k0, k1 = fused_sampling._split_key(987654321)  # noqa: SLF001
@@ -265,6 +277,60 @@ def test_arm64_head_matches_this_machines_head(tmp_path: Path) -> None:
             assert scale > 0, name
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, nm=name: f"{nm}: {m}")
     assert pos == len(out)
+
+
+#: more shapes for the x86 builds: 64 classes (MAXC), one class, 17 (a partial last transpose), two
+_LANE_SUM_CASES = _HEAD_CASES + [(9, 50, 64, 2, 0.8), (11, 16, 1, 2, 0.0), (5, 33, 17, 1, 0.3), (6, 24, 2, 3, 0.0)]
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+def test_transposing_lane_sums_give_the_scalar_sums_bit_for_bit(march: str, tmp_path: Path) -> None:
+    """The head built as the kernels build it (AVX-512 or AVX2: the transposing ``lane_sums``) and with
+    ``-DPGVI_SCALAR_LANE_SUMS`` (each lane sum as a scalar loop in lane order) prints the same loss and gradients,
+    digit for digit (``%.9g`` round-trips a float, ``%.17g`` a double)."""
+    from common import fused_head, fused_sampling
+
+    cc = native._compiler()  # noqa: SLF001
+    if cc is None or not _cc_supports(march):
+        pytest.skip(f"no C compiler for -march={march}")
+    data, _ = _write_head_inputs(tmp_path / "inputs.bin", _LANE_SUM_CASES)
+    src = tmp_path / "head.c"
+    src.write_text(native.PRELUDE + fused_head._C_SOURCE + _HEAD_MAIN, encoding="utf-8")  # noqa: SLF001
+    flags = [f"-march={march}" if f.startswith("-march=") else f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
+    k0, k1 = fused_sampling._split_key(20261126)  # noqa: SLF001
+    outputs, binaries = [], []
+    for extra in ([], ["-DPGVI_SCALAR_LANE_SUMS"]):
+        exe = tmp_path / f"head{'-scalar' if extra else ''}"
+        subprocess.run([cc, *flags, *extra, str(src), "-o", str(exe), "-lm"], check=True, capture_output=True,
+                       timeout=300)
+        binaries.append(exe.read_bytes())
+        outputs.append(subprocess.run([str(exe), str(data), str(k0), str(k1), "0.25"], capture_output=True, text=True,
+                                      check=True, timeout=300).stdout)
+    assert binaries[0] != binaries[1]  # the switch took effect
+    assert outputs[0].split()[0] == "0" and len(outputs[0].split()) > 1000
+    assert outputs[0] == outputs[1]
+
+
+def _clang() -> str | None:
+    return shutil.which("clang") or next(
+        (c for v in range(30, 10, -1) if (c := shutil.which(f"clang-{v}"))), None)
+
+
+@pytest.mark.skipif(_clang() is None, reason="no clang (Debian's clang)")
+def test_kernel_tests_pass_when_built_with_clang(tmp_path: Path) -> None:
+    """The kernels' compiler falls back to clang where ``cc``/``gcc`` are missing (``CC`` chooses it): their tests
+    pass with every kernel built by clang (clang spells GCC's vector shuffles differently)."""
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    env = dict(_env("native", cache), CC=str(_clang()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECT,
+         "tests/test_fused_sampling.py", "tests/test_fused_head.py", "tests/test_fused_meanfield.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    built = sorted(p.name.split("_")[1] for p in cache.glob("pgvi_*.so"))
+    assert built == ["head", "meanfield", "sampling"], built
 
 
 def test_avx512_path_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
