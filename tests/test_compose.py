@@ -270,6 +270,21 @@ def test_dockerfile_builds_from_superexec_1390_with_cpu_torch():
     assert copies and not any("cert" in c or "key" in c for c in copies)
 
 
+def test_dockerfile_brings_the_kernels_compiler_and_runs_as_flowers_user():
+    """gcc and libc headers installed as root (the only root step), then back to Flower's user `app`; the kernels
+    go to a private /app/kernels (the core loads kernels only from a directory nobody else can write)."""
+    text = re.sub(r"#.*", "", DOCKERFILE.read_text())
+    assert re.search(r'^ARG KERNEL_COMPILER="gcc libc6-dev"$', text, re.M)
+    users = [(m.start(), m[1]) for m in re.finditer(r"^USER (\S+)$", text, re.M)]
+    assert [u for _, u in users] == ["root", "app"]
+    root_part = text[users[0][0]:users[1][0]]
+    assert "apt-get install -y --no-install-recommends ${KERNEL_COMPILER}" in root_part
+    assert "rm -rf /var/lib/apt/lists/*" in root_part
+    assert "pip install" not in root_part and "COPY" not in root_part  # nothing else runs as root
+    assert re.search(r"PGVI_KERNEL_CACHE=/app/kernels\b", text)
+    assert re.search(r"chmod 700 [^\n]*/app/kernels", text)
+
+
 def test_dockerignore_keeps_secrets_out_of_the_build_context():
     pats = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")}
     assert {"**/certs", "**/keys", "*.key", ".venv", ".git"} <= pats
