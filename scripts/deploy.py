@@ -546,7 +546,7 @@ class Deployment:
         threads = str(self.node_config_for(k).get("torch-threads", 1))
         return self._spawn("warm-worker", k, [self._bin("python"), "-m", "client.warm_worker", "--socket",
                                               str(self.worker_socket(k)), "--torch-threads", threads],
-                           self.run_dir / "homes" / f"worker-{k}")
+                           self.run_dir / "homes" / f"worker-{k}", env=self._repo_on_pythonpath())
 
     def _wait_worker(self, k: int, info: ProcInfo, timeout: float) -> None:
         sock = self.worker_socket(k)
@@ -1009,7 +1009,10 @@ class Deployment:
     def _repo_on_pythonpath(self) -> dict[str, str]:
         """``client`` importable from this repository whatever the working directory (the run dir) and
         whether or not the project is installed in the deployment's venv (the ClientApp itself is still
-        imported from the FAB Flower installs, which ``load_app`` puts first on ``sys.path``)."""
+        imported from the FAB Flower installs, which ``load_app`` puts first on ``sys.path``): for the paced
+        SuperNodes, the forking SuperExecs and the warm workers, which are this repository's modules.  (A warm
+        worker without it ran whatever the venv's editable install points to: another checkout's code in a
+        benchmark run from a worktree, docs/bench_network.md 1p.)"""
         old = self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
         return {"PYTHONPATH": str(REPO_ROOT) + (os.pathsep + old if old else "")}
 

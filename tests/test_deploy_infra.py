@@ -732,3 +732,19 @@ def test_simulate_overrides_parse_or_fail_clearly():
     assert parse_overrides('a=1 b=2') == {"a": 1, "b": 2}
     assert parse_overrides('note="x y" model.kind="bnn" evaluate=false') == {
         "note": "x y", "model.kind": "bnn", "evaluate": False}
+
+
+def test_warm_workers_import_this_repository_like_the_nodes(tmp_path, monkeypatch):
+    """A warm worker (``python -m client.warm_worker`` in the run directory) gets this repository first on its
+    ``PYTHONPATH``, as the paced SuperNodes and forking SuperExecs do, not whatever checkout the venv's editable
+    install points to."""
+    from scripts.deploy import REPO_ROOT
+
+    dep = Deployment(1, run_dir=tmp_path, warm_workers=True)
+    calls = []
+    monkeypatch.setattr(dep, "_spawn", lambda role, index, cmd, home, env=None: calls.append((role, cmd, env)))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    dep._spawn_worker(0)  # noqa: SLF001
+    [(role, cmd, env)] = calls
+    assert role == "warm-worker" and cmd[cmd.index("-m") + 1] == "client.warm_worker"
+    assert env is not None and env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
