@@ -51,20 +51,26 @@ def _env(march: str, cache: Path) -> dict[str, str]:
     return env
 
 
+def _assert_kernel_tests_pass(env: dict[str, str], cache: Path) -> None:
+    """The ISA-dependent kernel tests pass in a fresh interpreter with ``env``, having built all three kernels
+    into ``cache``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECT,
+         "tests/test_fused_sampling.py", "tests/test_fused_head.py", "tests/test_fused_meanfield.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    built = sorted(p.name.split("_")[1] for p in cache.glob("pgvi_*.so"))
+    assert built == ["head", "meanfield", "sampling"], built
+
+
 @pytest.mark.parametrize("march", MARCHES)
 def test_kernel_tests_pass_when_built_for(march: str, tmp_path: Path) -> None:
     if not _cc_supports(march):
         pytest.skip(f"the C compiler does not know -march={march}")
     cache = tmp_path / "kernels"
     cache.mkdir(mode=0o700)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECT,
-         "tests/test_fused_sampling.py", "tests/test_fused_head.py", "tests/test_fused_meanfield.py"],
-        cwd=ROOT, env=_env(march, cache), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
-    built = sorted(p.name.split("_")[1] for p in cache.glob("pgvi_*.so"))
-    assert built == ["head", "meanfield", "sampling"], built
+    _assert_kernel_tests_pass(_env(march, cache), cache)
 
 
 _PROBE = r"""
@@ -120,13 +126,17 @@ int main(int argc, char **argv) {
 """
 
 
+def _executable_flags(march: str) -> list[str]:
+    """The kernels' compile flags for an executable (no ``-fPIC -shared``) with ``-march=march``."""
+    return [f"-march={march}" if f.startswith("-march=") else f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
+
+
 def _build_arm64(tmp_path: Path, name: str, source: str) -> Path:
     """``source`` (a kernel's C source and a ``main``) built as a static arm64 executable with the kernels' flags."""
     src = tmp_path / f"{name}.c"
     src.write_text(native.PRELUDE + source, encoding="utf-8")
     exe = tmp_path / name
-    flags = [f for f in native.FLAGS if f not in ("-march=native", "-fPIC", "-shared")]
-    subprocess.run(["aarch64-linux-gnu-gcc", *flags, "-march=armv8-a", "-static", str(src), "-o", str(exe), "-lm"],
+    subprocess.run(["aarch64-linux-gnu-gcc", *_executable_flags("armv8-a"), "-static", str(src), "-o", str(exe), "-lm"],
                    check=True, capture_output=True, timeout=300)
     return exe
 
@@ -296,7 +306,7 @@ def test_transposing_lane_sums_give_the_scalar_sums_bit_for_bit(march: str, tmp_
     data, _ = _write_head_inputs(tmp_path / "inputs.bin", _LANE_SUM_CASES)
     src = tmp_path / "head.c"
     src.write_text(native.PRELUDE + fused_head._C_SOURCE + _HEAD_MAIN, encoding="utf-8")  # noqa: SLF001
-    flags = [f"-march={march}" if f.startswith("-march=") else f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
+    flags = _executable_flags(march)
     k0, k1 = fused_sampling._split_key(20261126)  # noqa: SLF001
     outputs, binaries = [], []
     for extra in ([], ["-DPGVI_SCALAR_LANE_SUMS"]):
@@ -323,14 +333,7 @@ def test_kernel_tests_pass_when_built_with_clang(tmp_path: Path) -> None:
     cache = tmp_path / "kernels"
     cache.mkdir(mode=0o700)
     env = dict(_env("native", cache), CC=str(_clang()))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECT,
-         "tests/test_fused_sampling.py", "tests/test_fused_head.py", "tests/test_fused_meanfield.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
-    built = sorted(p.name.split("_")[1] for p in cache.glob("pgvi_*.so"))
-    assert built == ["head", "meanfield", "sampling"], built
+    _assert_kernel_tests_pass(env, cache)
 
 
 def test_avx512_path_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
