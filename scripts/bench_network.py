@@ -80,7 +80,6 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -536,8 +535,9 @@ def verdict(ok: bool) -> str:
 
 
 def pyproject_config() -> dict[str, Any]:
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+    from scripts.simulate import pyproject_run_config
+
+    return pyproject_run_config()
 
 
 # ================================================================================================ part 1

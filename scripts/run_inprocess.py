@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +25,9 @@ from strategies.inprocess import InProcessGrid  # noqa: E402
 def load_run_config(overrides: list[str]) -> dict:
     """pyproject.toml's run config with the ``-c`` overrides (``flwr run -c``'s syntax, parsed as
     :func:`scripts.simulate.parse_overrides` does: ``ValueError`` names a malformed one)."""
-    from scripts.simulate import parse_overrides
+    from scripts.simulate import pyproject_run_config
 
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        raw = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
-    for item in overrides:
-        raw.update(parse_overrides(item))
-    return raw
+    return pyproject_run_config(overrides)
 
 
 def run(raw: dict, out: Path):

@@ -284,6 +284,16 @@ def parse_overrides(item: str) -> dict:
     return out
 
 
+def pyproject_run_config(overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The run config of ``pyproject.toml``'s ``[tool.flwr.app.config]`` with ``-c`` overrides applied in order
+    (each parsed by :func:`parse_overrides`; ``ValueError`` names a malformed one)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        run_config = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+    for item in overrides:
+        run_config.update(parse_overrides(item))
+    return run_config
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -297,13 +307,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim",
                     help="output dir; holds FLWR_HOME, so one simulation at a time per --out")
     args = ap.parse_args()
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        run_config = dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
-    for item in args.config:
-        try:
-            run_config.update(parse_overrides(item))
-        except ValueError as err:
-            ap.error(str(err))
+    try:
+        run_config = pyproject_run_config(args.config)
+    except ValueError as err:
+        ap.error(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "flwr-run.log"
     print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)

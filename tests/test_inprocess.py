@@ -6,6 +6,9 @@ Oracles: the closed-form posterior of the conjugate model after the updates each
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from flwr.app import Message
@@ -283,3 +286,17 @@ def test_run_inprocess_overrides_take_flwr_run_syntax() -> None:
     raw = load_run_config(['num-server-rounds=2 loss="gce"', "loss-delta=0.5"])
     assert (raw["num-server-rounds"], raw["loss"], raw["loss-delta"]) == (2, "gce", 0.5)
     assert raw["model"] == load_run_config([])["model"]  # the rest from pyproject.toml
+
+
+def test_the_scripts_read_one_run_config_and_later_overrides_win() -> None:
+    from scripts.bench_network import pyproject_config
+    from scripts.run_inprocess import load_run_config
+    from scripts.simulate import pyproject_run_config
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    assert pyproject_config() == load_run_config([]) == pyproject_run_config() == declared
+    raw = pyproject_run_config(["num-server-rounds=2", "num-server-rounds=5 seed=7"])
+    assert (raw["num-server-rounds"], raw["seed"]) == (5, 7)
+    with pytest.raises(ValueError, match="not a TOML value"):
+        pyproject_run_config(["loss=gce"])
