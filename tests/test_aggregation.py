@@ -24,20 +24,10 @@ from common.aggregation import (
 from common.errors import NonFiniteError, ShapeMismatchError
 from common.factors import PGVIServerState, UpdateRejected
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from tests.tensors import assert_close, gen
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 D = 3
-
-
-def assert_close(actual, expected, rtol: float = 1e-12, atol: float = 0.0) -> None:
-    actual, expected = torch.as_tensor(actual).detach(), torch.as_tensor(expected).detach()
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=rtol, atol=atol)
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,25 +22,14 @@ from common.factors import (
     kl_server_step,
 )
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from tests.tensors import assert_close, gen
 
 DT = torch.float64
 SHAPES = {"w": (3, 2), "b": (4,)}
 
 
-def assert_close(actual, expected, rtol: float = 1e-12, atol: float = 0.0) -> None:
-    """Shape- and dtype-checked allclose (numpy's: torch.testing's first call costs seconds of lazy imports)."""
-    actual, expected = torch.as_tensor(actual).detach(), torch.as_tensor(expected).detach()
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=rtol, atol=atol)
-
-
 # ---------------------------------------------------------------------------------------------------
 # builders
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def random_mf(g: torch.Generator) -> MeanFieldGaussian:
     mean = {n: torch.randn(s, generator=g, dtype=DT) for n, s in SHAPES.items()}
     var = {n: 0.2 + 2.0 * torch.rand(s, generator=g, dtype=DT) for n, s in SHAPES.items()}

@@ -14,26 +14,15 @@ from torch.distributions import MultivariateNormal, Normal
 
 from common.errors import ImproperDistributionError, NonFiniteError, ShapeMismatchError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from tests.tensors import assert_close, gen
 
 DT = torch.float64
 SHAPES = {"w": (3, 2), "b": (4,)}
 LOG_2PI = math.log(2.0 * math.pi)
 
 
-def assert_close(actual, expected, rtol: float = 1e-12, atol: float = 0.0) -> None:
-    """Shape- and dtype-checked allclose (numpy's: torch.testing's first call costs seconds of lazy imports)."""
-    actual, expected = torch.as_tensor(actual).detach(), torch.as_tensor(expected).detach()
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=rtol, atol=atol)
-
-
 # ---------------------------------------------------------------------------------------------------
 # builders
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def random_spd(d: int, g: torch.Generator) -> torch.Tensor:
     a = torch.randn(d, d, generator=g, dtype=DT)
     return a @ a.T / d + 0.5 * torch.eye(d, dtype=DT)
