@@ -12,7 +12,9 @@ then its gradient and Adam's update: the head returns ``dL/dmu, dL/dvar`` and th
 hidden layer's weight gradients are two GEMMs (``dmu^T x``, ``dvar^T x^2``) and two column sums, and
 ``fused_meanfield.backward_adam`` adds the divergence's gradient, turns the gradients w.r.t. the variances into
 gradients w.r.t. the raw scales and applies Adam to every parameter in the same pass (torch's fused Adam
-arithmetic, operation for operation).  Through autograd and ``Adam.step`` the same step is five autograd
+arithmetic, operation for operation), then forms the next step's ``v, D`` block by block while the updated
+parameters are still in cache; the next step uses them unless torch changed a parameter in place meanwhile (an
+early-stopping restore moves the parameters' version counters).  Through autograd and ``Adam.step`` the same step is five autograd
 Functions, about twenty graph nodes, the Python around them and three more passes over the 2 x 159,010
 parameters of 784-200-10 (``docs/bench_core.md`` has the times).  Here it is the calls above, in the order
 autograd makes them, on the same tensors: the objective, the parameters and Adam's state are bit-identical to
@@ -79,6 +81,14 @@ class OneHiddenLayerStep:
         self.buffers = ([torch.empty_like(p) for p in self.locs], [torch.empty_like(p) for p in self.locs])
         fused_meanfield.check_adam_operands(self.locs, self.raws, optimiser.adam_states(self.locs),
                                             optimiser.adam_states(self.raws))
+        # the next step's forward pass, made by the previous step's update while the parameters were in cache,
+        # with the parameters' version counters at that time: ``(versions, state, total, bad)`` or ``None``
+        self._next: tuple[tuple[int, ...], fused_meanfield.MomentPass, float, object] | None = None
+
+    def _versions(self) -> tuple[int, ...]:
+        """The parameters' version counters: any in-place change from torch (an early-stopping restore, a
+        ``copy_``) moves them; the kernels' writes through raw pointers do not."""
+        return tuple(p._version for p in (*self.locs, *self.raws))
 
     @classmethod
     def create(cls, model, loss, q, fd, x: Tensor, y: Tensor | None, n_samples: int,  # type: ignore[no-untyped-def]
@@ -128,9 +138,13 @@ class OneHiddenLayerStep:
             xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
         b = int(xb.shape[0])
         locs = [p.detach() for p in self.locs]
-        state, total, bad = fused_meanfield.forward(locs, [p.detach() for p in self.raws], self.mean_ps,
-                                                     self.lam_ps, self.kind, self.alpha, self.min_scale,
-                                                     self.numbering, self.buffers)
+        ahead, self._next = self._next, None
+        if ahead is not None and ahead[0] == self._versions():
+            state, total, bad = ahead[1], ahead[2], ahead[3]
+        else:
+            state, total, bad = fused_meanfield.forward(locs, [p.detach() for p in self.raws], self.mean_ps,
+                                                         self.lam_ps, self.kind, self.alpha, self.min_scale,
+                                                         self.numbering, self.buffers)
         for name, loc, nb in zip(self.names, locs, bad):
             if nb:
                 raise DivergenceUndefinedError.alpha_renyi(self.alpha, int(nb), loc.numel(), name)
@@ -156,12 +170,14 @@ class OneHiddenLayerStep:
         g_vw0 = d_var.t().mm(x2)
         g_b0 = d_mu.sum(0)
         g_vb0 = d_var.sum(0)
-        # the divergence's gradient, the loss's and Adam in one pass over the parameters
+        # the divergence's gradient, the loss's and Adam in one pass over the parameters, then the next step's forward
         terms = self.optimiser.advance(self.locs + self.raws)
-        fused_meanfield.backward_adam(state, [p.detach() for p in self.raws], [g_vw0, g_vb0, d_vw1, d_vb1],
-                                      [g_w0, g_b0, d_w1, d_b1], self.c, self.kind, self.alpha,
-                                      self.optimiser.constants(), terms[:4], terms[4:], self.adam_width,
-                                      validate=False)
+        ahead = fused_meanfield.backward_adam(state, [p.detach() for p in self.raws], [g_vw0, g_vb0, d_vw1, d_vb1],
+                                              [g_w0, g_b0, d_w1, d_b1], self.c, self.kind, self.alpha,
+                                              self.optimiser.constants(), terms[:4], terms[4:], self.adam_width,
+                                              validate=False, forward_min_scale=self.min_scale)
+        assert ahead is not None
+        self._next = (self._versions(), state, *ahead)
         return expected, divergence
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -291,6 +291,36 @@ void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int6
                               wp(q[11]), h, a + 4 * i);
     )
 }
+
+/* pgvi_mf_backward_adam_many followed, block by block, by pgvi_mf_forward_many at the updated parameters: each
+   block's loc and raw are still in cache when the next step's variances, chains and divergence terms are formed
+   from them.  The same arithmetic as the two calls one after the other (the forward of a block reads only that
+   block), so the same bits.  p: as pgvi_mf_backward_adam_many's (K = 12; var and chain are read, then
+   overwritten); partial, bad, min_scale, alpha_d: as pgvi_mf_forward_many's.  Returns 1 if out of memory. */
+int pgvi_mf_adam_forward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
+                              const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
+                              float alpha, int64_t vw, const float *restrict h, const float *restrict a,
+                              double alpha_d, float min_scale, double *restrict partial, int64_t *restrict bad) {
+    int oom = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
+    for (int t = 0; t < nt; t++) {
+        int64_t b0_ = pgvi_split(g0, g1, 1, t, nt), b1_ = pgvi_split(g0, g1, 1, t + 1, nt), e0, e1;
+        for (int64_t i = 0; i < T; i++) {
+            if (!tensor_part(n, off, i, b0_, b1_, &e0, &e1)) continue;
+            const int64_t *q = p + 12 * i;
+            for (int64_t lo = e0; lo < e1; lo += BLOCK) {
+                int64_t hi = lo + BLOCK < e1 ? lo + BLOCK : e1;
+                pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL,
+                                      q[5] ? fp(q[5]) : NULL, g_div, lo, hi, n[i], vw, kind, alpha, wp(q[6]), wp(q[7]),
+                                      wp(q[8]), wp(q[9]), wp(q[10]), wp(q[11]), h, a + 4 * i);
+                int64_t r = pgvi_mf_forward(fp(q[6]), fp(q[7]), fp(q[2]), fp(q[3]), lo, hi, kind, alpha_d, min_scale,
+                                            wp(q[0]), wp(q[1]), partial + off[i]);
+                if (r < 0) oom = 1; else bad[t * T + i] += r;
+            }
+        }
+    }
+    return oom;
+}
 """
 
 _I64, _F32, _F64, _INT, _VP = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int, ctypes.c_void_p
@@ -321,6 +351,8 @@ _NATIVE = NativeLibrary(
         "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32], None),
         "pgvi_mf_backward_adam_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _I64, _VP, _VP],
                                        None),
+        "pgvi_mf_adam_forward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _I64, _VP, _VP, _F64,
+                                       _F32, _VP, _VP], _INT),
         "pgvi_adam_only": ([_VP, _I64, _I64, _VP, _VP, _VP, _VP, _F32, _F32], None),
     },
     _self_check,
@@ -376,24 +408,35 @@ def forward(locs: list[Tensor], raws: list[Tensor], mean_ps: list[Tensor], lam_p
         variances, chains = out
     ptrs = np.array([t.data_ptr() for i in range(t_count)
                      for t in (locs[i], raws[i], mean_ps[i], lam_ps[i], variances[i], chains[i])], dtype=np.int64)
-    partial = np.zeros(int(off[-1]), dtype=np.float64)
+    total, bad = _divergence_sums(
+        t_count, int(off[-1]),
+        lambda g0, g1, nt, partial, counts: lib.pgvi_mf_forward_many(
+            t_count, ptrs.ctypes.data, n.ctypes.data, off.ctypes.data, g0, g1, nt, kind, alpha, min_scale,
+            partial, counts))
+    return MomentPass(locs, variances, chains, mean_ps, lam_ps, n, off), total, bad
+
+
+def _divergence_sums(t_count: int, n_blocks: int, driver: Callable[[int, int, int, int, int], int]
+                     ) -> tuple[float, np.ndarray]:
+    """Run a driver that forms the divergence's block sums, ``driver(g0, g1, threads, partial, counts) -> oom``
+    (``partial``, ``counts``: addresses of the float64 block sums and of a ``(threads, T)`` int64 array of
+    Alpha-Renyi counts), over the ``n_blocks`` blocks: ``(the sum, the undefined counts per tensor)``."""
+    partial = np.zeros(n_blocks, dtype=np.float64)
     counts: list[np.ndarray] = []  # one (threads, T) array of Alpha-Renyi counts per driver call
     oom = [0]
 
-    def fwd(g0: int, g1: int, nt: int) -> None:
+    def run(g0: int, g1: int, nt: int) -> None:
         bad = np.zeros((nt, t_count), dtype=np.int64)
         counts.append(bad)
-        if lib.pgvi_mf_forward_many(t_count, ptrs.ctypes.data, n.ctypes.data, off.ctypes.data, g0, g1, nt, kind,
-                                    alpha, min_scale, partial.ctypes.data, bad.ctypes.data):
+        if driver(g0, g1, nt, partial.ctypes.data, bad.ctypes.data):
             oom[0] = 1
 
-    if off[-1]:
-        run_parallel(_NATIVE, fwd, int(off[-1]))
+    if n_blocks:
+        run_parallel(_NATIVE, run, n_blocks)
     if oom[0]:
         raise MemoryError("fused mean-field kernel: out of memory")
     total = float(np.sum(partial))  # fixed blocks, fixed order: the same sum for any thread count
-    bad = sum((c.sum(axis=0) for c in counts), np.zeros(t_count, dtype=np.int64))
-    return MomentPass(locs, variances, chains, mean_ps, lam_ps, n, off), total, bad
+    return total, sum((c.sum(axis=0) for c in counts), np.zeros(t_count, dtype=np.int64))
 
 
 def backward(state: MomentPass, g_vars: list[Tensor | None], g_div: float, kind: int, alpha: float
@@ -479,7 +522,7 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
                   g_div: float, kind: int, alpha: float, adam: tuple[float, float, float, float],
                   loc_terms: list[tuple[Tensor, Tensor, float, float]],
                   raw_terms: list[tuple[Tensor, Tensor, float, float]], vector_width: int,
-                  validate: bool = True) -> None:
+                  validate: bool = True, forward_min_scale: float | None = None) -> tuple[float, np.ndarray] | None:
     """:func:`backward` and one Adam step in one pass, in place: the gradient w.r.t. ``state.locs[i]`` (which
     must be the parameters' own storage) is the divergence's plus ``g_locs[i]`` (the loss's; ``None``: none),
     the gradient w.r.t. ``raws[i]`` is :func:`backward`'s, and each parameter, its ``exp_avg`` and
@@ -488,7 +531,12 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
     :func:`adam_vector_width` for the optimiser's hyperparameters).  The result is bit-identical to
     :func:`backward`, adding ``g_locs`` in torch and ``Adam.step`` (tests/test_fused_update.py).
     ``validate=False`` skips the checks of the operands (:func:`check_adam_operands`, the gradients' shapes and
-    types) for a caller that made them itself."""
+    types) for a caller that made them itself.
+
+    With ``forward_min_scale`` (the scales' floor), each block of the parameters is then passed through
+    :func:`forward` while it is still in cache: ``state.variances`` and ``state.chains`` then hold the updated
+    parameters' (the next step's :func:`forward` without its pass over memory) and the call returns
+    :func:`forward`'s ``(total, undefined counts)``, the same bits as calling it next."""
     lib = _NATIVE.get()
     assert lib is not None
     t_count = len(state.locs)
@@ -508,12 +556,20 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
     consts = np.array(adam, dtype=np.float32)  # float(double), as torch's kernel narrows them
     terms = np.array([(lt[2], lt[3], rt[2], rt[3]) for lt, rt in zip(loc_terms, raw_terms)], dtype=np.float32)
 
-    def upd(g0: int, g1: int, nt: int) -> None:
-        lib.pgvi_mf_backward_adam_many(t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data, g_div,
-                                       g0, g1, nt, kind, alpha, vector_width, consts.ctypes.data, terms.ctypes.data)
+    if forward_min_scale is None:
+        def upd(g0: int, g1: int, nt: int) -> None:
+            lib.pgvi_mf_backward_adam_many(t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data,
+                                           g_div, g0, g1, nt, kind, alpha, vector_width, consts.ctypes.data,
+                                           terms.ctypes.data)
 
-    if state.off[-1]:
-        run_parallel(_NATIVE, upd, int(state.off[-1]))
+        if state.off[-1]:
+            run_parallel(_NATIVE, upd, int(state.off[-1]))
+        return None
+    return _divergence_sums(
+        t_count, int(state.off[-1]),
+        lambda g0, g1, nt, partial, counts: lib.pgvi_mf_adam_forward_many(
+            t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data, g_div, g0, g1, nt, kind, alpha,
+            vector_width, consts.ctypes.data, terms.ctypes.data, alpha, forward_min_scale, partial, counts))
 
 
 class _VariancesAndDivergence(torch.autograd.Function):

@@ -200,3 +200,32 @@ def test_a_refused_step_leaves_the_parameters_and_the_optimiser_alone() -> None:
     x[7, 3] = float("inf")
     with pytest.raises(NonFiniteError):
         local_gvi(model, make_loss("nll"), make_divergence("kl"), cavity, x, y, start, cfg)
+
+
+def test_the_forward_made_ahead_is_dropped_when_torch_changes_a_parameter_in_place() -> None:
+    # each step's update also forms the next step's variances and divergence (while the parameters are in cache);
+    # an in-place change from torch between steps (an early-stopping restore) must make the next step form them anew
+    model, x, y, cavity, start = _problem()
+    q = MeanFieldVariational(start, dtype=torch.float32)
+    fd = MeanFieldMomentDivergence.create(make_divergence("kl"), cavity)
+    step = OneHiddenLayerStep.create(model, make_loss("nll"), q, fd, x, y, 2, _adam(q))
+    assert step is not None
+
+    def divergence_now() -> float:
+        _, total, _ = fused_meanfield.forward([p.detach() for p in q.locs], [p.detach() for p in q.raw_scales],
+                                              step.mean_ps, step.lam_ps, step.kind, step.alpha, step.min_scale)
+        return float(torch.tensor(step.c * total, dtype=torch.float32))
+
+    gen = torch.Generator().manual_seed(0)
+    step(torch.arange(16), gen)
+    want = divergence_now()
+    assert float(step(torch.arange(16), gen)[1]) == want  # the forward made ahead, at the same parameters
+    snapshot = q.snapshot()
+    step(torch.arange(16), gen)
+    q.restore(snapshot)  # load_state_dict: an in-place copy_ under no_grad
+    want = divergence_now()
+    assert float(step(torch.arange(16), gen)[1]) == want
+    with torch.no_grad():
+        q.locs[0].add_(0.25)
+    want = divergence_now()
+    assert float(step(torch.arange(16), gen)[1]) == want

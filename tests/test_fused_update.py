@@ -148,3 +148,40 @@ def test_advance_refuses_a_parameter_outside_the_optimiser_and_bad_states() -> N
             fm.backward_adam(*args, bad, [None] * len(locs), 1.0, 0, 1.0, opt.constants(), terms, terms, 8)
     with pytest.raises(ValueError, match="vector width"):
         fm.backward_adam(*args, [None] * len(locs), [None] * len(locs), 1.0, 0, 1.0, opt.constants(), terms, terms, 5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind, alpha", KINDS)
+def test_update_with_the_next_forward_equals_update_then_forward(kind: str, alpha: float, threads: int) -> None:
+    # backward_adam(forward_min_scale=...) runs each block's forward right after its update: the parameters,
+    # Adam's states, the next step's variances and chains, its divergence sum and undefined counts are the bits
+    # of backward_adam followed by forward
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        width = fm.adam_vector_width(0.9, 0.999, 1e-8)
+        if width is None:
+            pytest.skip("this torch build's Adam arithmetic is not one the fused update reproduces")
+        code = fm.KINDS[kind]
+        a_locs, a_raws, mps, lps = _tensors(3)
+        b_locs = [torch.nn.Parameter(t.detach().clone()) for t in a_locs]
+        b_raws = [torch.nn.Parameter(t.detach().clone()) for t in a_raws]
+        opt_a, opt_b = (Adam([(ls, 3e-2), (rs, 1e-2)]) for ls, rs in ((a_locs, a_raws), (b_locs, b_raws)))
+        sa, _, _ = fm.forward([p.detach() for p in a_locs], [p.detach() for p in a_raws], mps, lps, code, alpha, 1e-6)
+        sb, _, _ = fm.forward([p.detach() for p in b_locs], [p.detach() for p in b_raws], mps, lps, code, alpha, 1e-6)
+        for step in range(3):
+            g_vars, g_locs = _loss_grads(3, step, with_none=step == 1)
+            fm.backward_adam(sa, [p.detach() for p in a_raws], g_vars, g_locs, 0.37, code, alpha, opt_a.constants(),
+                             opt_a.advance(a_locs), opt_a.advance(a_raws), width)
+            sa, total_a, bad_a = fm.forward([p.detach() for p in a_locs], [p.detach() for p in a_raws], mps, lps,
+                                            code, alpha, 1e-6)
+            ahead = fm.backward_adam(sb, [p.detach() for p in b_raws], g_vars, g_locs, 0.37, code, alpha,
+                                     opt_b.constants(), opt_b.advance(b_locs), opt_b.advance(b_raws), width,
+                                     forward_min_scale=1e-6)
+            assert ahead is not None
+            assert ahead[0] == total_a and list(ahead[1]) == list(bad_a), (kind, step)
+            for ta, tb in zip([*a_locs, *a_raws, *sa.variances, *sa.chains], [*b_locs, *b_raws, *sb.variances,
+                                                                              *sb.chains]):
+                assert torch.equal(ta.detach(), tb.detach()), (kind, step, ta.shape)
+    finally:
+        torch.set_num_threads(before)
