@@ -7,7 +7,8 @@ divergence to the fixed mean-field cavity ``(mu_p, lambda_p)`` in the moment for
 that is about 20 element-wise kernels forward and 10 backward over every coordinate (2.2 ms per step for
 the 159,010 coordinates of the 784-200-10 BNN with KL, 3.0 ms with Alpha-Renyi, one thread).  Here one C
 pass computes ``v`` and the divergence's sum (per-coordinate terms in float32 with the same cancellation-free
-``log1p`` forms, by Goldberg's rewrite on the vectorised ``logf``; the sum in float64), and one backward pass turns the loss's gradient w.r.t. ``v`` plus the
+``log1p`` forms, by Goldberg's rewrite on the vectorised ``logf``, and the same switch to the log of the variance
+ratio itself where it is far from 1 (:func:`common.local_gvi.log_ratio`); the sum in float64), and one backward pass turns the loss's gradient w.r.t. ``v`` plus the
 divergence's analytic gradient into the gradients w.r.t. ``m`` and ``r``
 (``d/dr = (g_v + g_D dD/dv) 2 sigma sigmoid(r)``).
 
@@ -54,6 +55,13 @@ static inline float log1p_from(float x, float lg, float u) { /* lg = logf(u), u 
     float d = u - 1.0f;
     return d == 0.0f ? x : lg * (x / d);
 }
+/* log(r) for a ratio r with x = r - 1 as rounded: the log's argument is 1 + x (Goldberg's log1p) where |x| <= 1/2
+   and r itself elsewhere, where x may have lost r's digits (r - 1 is -1 in float32 for r < 3e-8: the KL was inf) */
+static inline int ratio_far(float x) { return !(fabsf(x) <= 0.5f); }
+static inline float log_arg(float x, float r) { return ratio_far(x) ? r : 1.0f + x; }
+static inline float log_ratio(float x, float lg, float e) { /* lg = logf(e), e = log_arg(x, r) */
+    return ratio_far(x) ? lg : log1p_from(x, lg, e);
+}
 int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, const float *restrict mp,
                         const float *restrict lp, int64_t lo, int64_t hi, int kind, double alpha, float min_scale,
                         float *restrict var, float *restrict chain, double *restrict partial) {
@@ -83,15 +91,18 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
         /* the argument(s) of the divergence's log1p: one loop per kind (a branch inside would keep it scalar) */
         if (kind == 0) {
             #pragma omp simd
-            for (int64_t i = 0; i < n; i++) { x1[i] = l_[i] * vr[i] - 1.0f; e1[i] = 1.0f + x1[i]; }
+            for (int64_t i = 0; i < n; i++) { float r = l_[i] * vr[i]; x1[i] = r - 1.0f; e1[i] = log_arg(x1[i], r); }
         } else if (kind == 1) {
             #pragma omp simd
-            for (int64_t i = 0; i < n; i++) { x1[i] = 1.0f / (l_[i] * vr[i]) - 1.0f; e1[i] = 1.0f + x1[i]; }
+            for (int64_t i = 0; i < n; i++) {
+                float r = 1.0f / (l_[i] * vr[i]);
+                x1[i] = r - 1.0f; e1[i] = log_arg(x1[i], r);
+            }
         } else {
             #pragma omp simd
             for (int64_t i = 0; i < n; i++) {
-                float u = l_[i] * vr[i] - 1.0f;
-                x1[i] = c1 * u; e1[i] = 1.0f + x1[i]; x2[i] = u; e2[i] = 1.0f + u;
+                float r = l_[i] * vr[i], u = r - 1.0f;
+                x1[i] = c1 * u; e1[i] = 1.0f + x1[i]; x2[i] = u; e2[i] = log_arg(u, r);
             }
         }
         #pragma omp simd
@@ -104,13 +115,13 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
             #pragma omp simd reduction(+:acc)
             for (int64_t i = 0; i < n; i++) {
                 float u = x1[i], d = lc[i] - m_[i];
-                acc += (double)(u - log1p_from(u, t[i], e1[i]) + l_[i] * d * d);
+                acc += (double)(u - log_ratio(u, t[i], e1[i]) + l_[i] * d * d);
             }
         } else if (kind == 1) {
             #pragma omp simd reduction(+:acc)
             for (int64_t i = 0; i < n; i++) {
                 float w = x1[i], d = lc[i] - m_[i];
-                acc += (double)(w - log1p_from(w, t[i], e1[i]) + d * d / vr[i]);
+                acc += (double)(w - log_ratio(w, t[i], e1[i]) + d * d / vr[i]);
             }
         } else {
             #pragma omp simd reduction(+:acc, nbad)
@@ -118,7 +129,7 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
                 float a = x1[i], u = x2[i], d = lc[i] - m_[i];
                 nbad += (1.0f + a > 0.0f) ? 0 : 1;
                 acc += (double)(l_[i] * d * d / (1.0f + a)
-                                - (log1p_from(a, t[i], e1[i]) - c1 * log1p_from(u, lg[i], e2[i])) * inv_aa);
+                                - (log1p_from(a, t[i], e1[i]) - c1 * log_ratio(u, lg[i], e2[i])) * inv_aa);
             }
         }
         partial[b0 / BLOCK] = acc;
@@ -141,7 +152,7 @@ static inline void mf_grads(float m, float v, float c, float mp, float l, float 
     } else {
         float u = l * v - 1.0f, inv1a = 1.0f / (1.0f + c1 * u), t = l * d * inv1a;
         dm = 2.0f * t;
-        dv = -c1 * t * t + l * (inv1a - 1.0f / (u + 1.0f)) * inv_alpha;
+        dv = -c1 * t * t + (l * inv1a - 1.0f / v) * inv_alpha; /* l / (1 + u) = 1 / v, without u's rounding */
     }
     *g_m = g_div * dm;
     *g_r = (gvar + g_div * dv) * c;

@@ -384,6 +384,12 @@ class MeanFieldMomentDivergence:
       with ``a = (1 - alpha) u``; undefined (:class:`~common.errors.DivergenceUndefinedError`) where
       ``1 + a = alpha + (1 - alpha) r <= 0``, i.e. where ``alpha lambda_q + (1 - alpha) lambda_p <= 0``.
 
+    ``log1p(u)`` (and ``log1p(v)``) is the log of the ratio ``r`` (``1/r``): it is taken as ``log1p`` of the
+    difference only where that is within 1/2 of 0 and as ``log`` of the ratio itself elsewhere (:func:`log_ratio`),
+    because in float32 ``r - 1`` rounds to ``-1`` for ``r < 3e-8`` (a variance 10^8 times narrower than the
+    cavity's: the divergence was ``inf``) and loses digits well before.  For the same reason the Alpha-Renyi
+    gradient's ``lambda_p / (1 + u)`` is written ``1 / v``.
+
     :meth:`create` returns ``None`` for any other divergence (the caller then uses the generic object).
     tests/test_local_gvi.py checks values, gradients and the undefined region against the divergence objects.
     """
@@ -419,6 +425,13 @@ class MeanFieldMomentDivergence:
         return total
 
 
+def log_ratio(ratio: Tensor, diff: Tensor) -> Tensor:
+    """``log(ratio)`` given ``ratio`` and ``diff = ratio - 1`` as rounded: ``log1p(diff)`` where ``|diff| <= 1/2``
+    (accurate near 1, where ``log(ratio)`` would lose digits), ``log(ratio)`` elsewhere (where ``diff`` may have
+    lost them: ``ratio - 1`` is ``-1`` in float32 for any ratio below 3e-8)."""
+    return torch.where(diff.abs() <= 0.5, log1p(diff), torch.log(ratio))
+
+
 class _MomentDivergenceFn(torch.autograd.Function):
     """``c * sum_i f(mu_i, v_i)`` for one tensor with the analytic gradient (``c = weight / 2``).
 
@@ -430,22 +443,27 @@ class _MomentDivergenceFn(torch.autograd.Function):
                    df/dmu = 2 d / v;   df/dv = (1 - 1/(lambda_p v) - d^2/v) / v
     * alpha_renyi: f = lambda_p d^2 / (1 + a) - [log1p(a) - (1 - alpha) log1p(u)] / (alpha (alpha - 1));
                    df/dmu = 2 lambda_p d / (1 + a);
-                   df/dv = -(1 - alpha) lambda_p^2 d^2 / (1 + a)^2 + lambda_p (1/(1 + a) - 1/(1 + u)) / alpha
+                   df/dv = -(1 - alpha) lambda_p^2 d^2 / (1 + a)^2 + (lambda_p / (1 + a) - 1/v) / alpha
+
+    (``log1p(u)``, ``log1p(w)``: :func:`log_ratio` of ``lambda_p v``, ``1 / (lambda_p v)``.)
     """
 
     @staticmethod
     def forward(ctx, mean, var, mean_p, lam_p, kind, alpha, c, name):  # type: ignore[no-untyped-def,override]
         d = mean - mean_p
         if kind == "kl":
-            u = torch.mul(lam_p, var).sub_(1.0)
-            val = u.sub(log1p(u)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
+            r = torch.mul(lam_p, var)
+            u = r - 1.0
+            val = u.sub(log_ratio(r, u)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
             ctx.save_for_backward(d, var, lam_p)
         elif kind == "reverse_kl":
-            w = torch.mul(lam_p, var).reciprocal_().sub_(1.0)
-            val = w.sub(log1p(w)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
+            r = torch.mul(lam_p, var).reciprocal_()
+            w = r - 1.0
+            val = w.sub(log_ratio(r, w)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
             ctx.save_for_backward(d, var, lam_p)
         else:
-            u = torch.mul(lam_p, var).sub_(1.0)
+            r = torch.mul(lam_p, var)
+            u = r - 1.0
             # domain: 1 + a > 0 with a = (1 - alpha) u, i.e. u < 1/(alpha - 1) (alpha > 1) or u > -1/(1 - alpha)
             extreme = float(u.max()) if alpha > 1.0 else float(u.min())
             if not (1.0 + (1.0 - alpha) * extreme > 0.0):
@@ -453,9 +471,9 @@ class _MomentDivergenceFn(torch.autograd.Function):
                 raise DivergenceUndefinedError.alpha_renyi(alpha, int((~(a_all > -1.0)).sum()), u.numel(), name)
             a = u * (1.0 - alpha)
             inv1a = torch.reciprocal(a + 1.0)
-            log_term = log1p(a).sub_(log1p(u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
+            log_term = log1p(a).sub_(log_ratio(r, u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
             val = torch.dot((lam_p * d * d).reshape(-1), inv1a.reshape(-1)) - log_term
-            ctx.save_for_backward(d, var, lam_p, u, inv1a)
+            ctx.save_for_backward(d, var, lam_p, inv1a)
         ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
         return val * c
 
@@ -473,11 +491,11 @@ class _MomentDivergenceFn(torch.autograd.Function):
             g_mean = (d * inv_v).mul_(2.0 * g)
             g_var = (1.0 - inv_v / lam_p - d * d * inv_v).mul_(inv_v).mul_(g)
         else:
-            d, var, lam_p, u, inv1a = ctx.saved_tensors
+            d, var, lam_p, inv1a = ctx.saved_tensors
             t = lam_p * d * inv1a  # lambda_p d / (1 + a)
             g_mean = (2.0 * g) * t
             g_var = (t * t).mul_(-(1.0 - alpha))
-            g_var.add_((inv1a - torch.reciprocal(u + 1.0)).mul_(lam_p), alpha=1.0 / alpha).mul_(g)
+            g_var.add_((lam_p * inv1a).sub_(torch.reciprocal(var)), alpha=1.0 / alpha).mul_(g)
         return g_mean, g_var, None, None, None, None, None, None
 
 

@@ -205,3 +205,51 @@ def test_many_tensors_in_one_call_equal_one_call_each(threads: int) -> None:
         gl, gr = torch.autograd.grad(value_i + (g_vars[i] * v).sum(), [locs[i], raws[i]])
         if i != 2:
             assert torch.equal(grads[i], gl) and torch.equal(grads[len(sizes) + i], gr)
+
+
+def _closed_form64(kind: str, alpha: float, v, lam_p: float, d):  # type: ignore[no-untyped-def]
+    """One coordinate's divergence term (times 1/2), float64: KL(q || p), KL(p || q) or Alpha-Renyi."""
+    r = lam_p * v
+    if kind == "kl":
+        return 0.5 * (r - 1.0 - torch.log(r) + lam_p * d * d)
+    if kind == "reverse_kl":
+        return 0.5 * (1.0 / r - 1.0 + torch.log(r) + d * d / v)
+    one_a = alpha + (1.0 - alpha) * r
+    return 0.5 * (lam_p * d * d / one_a - (torch.log(one_a) - (1.0 - alpha) * torch.log(r)) / (alpha * (alpha - 1.0)))
+
+
+@pytest.mark.parametrize("kind, alpha", [("kl", 1.0), ("reverse_kl", 0.0), ("alpha_renyi", 2.5),
+                                         ("alpha_renyi", 0.5)])
+def test_float32_terms_and_gradients_stay_accurate_for_variances_far_from_the_cavitys(kind: str, alpha: float) -> None:
+    # r = lambda_p v from 1e-12 to 1e6 (Alpha-Renyi 2.5: below its bound 5/3): in float32 r - 1 rounds to -1 for
+    # r < 3e-8, so a log1p of it made the KL inf (and lost digits well before); both paths, the C kernel and the
+    # torch moment form, against the float64 closed form with float64 gradients w.r.t. the loc and the raw scale
+    ratios = [10.0 ** e for e in range(-12, 7)] + [0.3, 0.7, 1.3]
+    if kind == "alpha_renyi" and alpha > 1.0:
+        ratios = [r for r in ratios if r < 1.6]
+    lam_p = 2.0
+    for r in ratios:
+        s64 = torch.tensor([math.sqrt(r / lam_p)], dtype=torch.float64)
+        raw64 = torch.log(torch.expm1(s64))  # softplus^-1 of the scale
+        loc = torch.tensor([0.45], requires_grad=True)
+        raw = raw64.float().requires_grad_(True)
+        mp, lp = torch.tensor([0.15]), torch.tensor([lam_p])
+        loc64, rawd = loc.detach().double().requires_grad_(True), raw.detach().double().requires_grad_(True)
+        ref = _closed_form64(kind, alpha, torch.nn.functional.softplus(rawd) ** 2, lam_p, loc64 - 0.15).sum()
+        ref_grads = torch.autograd.grad(ref, (loc64, rawd))
+        _, fused, bad = fm.variance_and_divergence(loc, raw, mp, lp, kind, alpha, 0.5, 0.0)
+        assert bad == 0
+        p = MeanFieldGaussian.from_mean_variance({"w": mp}, {"w": 1.0 / lp})
+        div = make_divergence(kind, **({"alpha": alpha} if kind == "alpha_renyi" else {}))
+        fd = MeanFieldMomentDivergence.create(div, p)
+        assert fd is not None
+        var_t = torch.nn.functional.softplus(raw) ** 2
+        torch_path = fd({"w": loc}, {"w": var_t})
+        for name, value in (("kernel", fused), ("torch", torch_path)):
+            grads = torch.autograd.grad(value, (loc, raw))
+            assert math.isfinite(float(value)), (name, kind, r)
+            assert abs(float(value) - float(ref)) <= 2e-6 * abs(float(ref)) + 1e-6, (name, kind, r, float(value),
+                                                                                    float(ref))
+            for got, want in zip(grads, ref_grads):
+                assert abs(float(got) - float(want)) <= 1e-4 * abs(float(want)) + 1e-6, (name, kind, r, float(got),
+                                                                                         float(want))
