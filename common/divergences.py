@@ -28,7 +28,11 @@ Exponential-family identities used (``A`` the log-normaliser, ``E_q[T]`` the mea
 For mean-field Gaussians (which may have ~10^5 coordinates, in float32, inside a training loop) both are
 evaluated per coordinate in an algebraically equivalent form in (mean, precision) that avoids cancelling
 the large log-normalisers (see :func:`kl_mean_field_elementwise`, :func:`alpha_renyi_mean_field_elementwise`);
-the tests check that these equal the log-normaliser forms in float64.
+full-covariance Gaussians likewise use the moment forms :func:`kl_full_covariance` and
+:func:`alpha_renyi_full_covariance` (Cholesky factors, an explicit mean difference), because the
+log-normalisers ``1/2 mu^T Lambda mu`` reach ~10^6 at means ~10 and precisions ~10^4 while the divergence is
+O(1): in float32 their difference was off by 3-50 %.  The tests check that these equal the log-normaliser
+forms in float64.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from common.errors import DivergenceUndefinedError
+from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.registry import Registry
 
@@ -56,9 +60,11 @@ __all__ = [
     "KL",
     "ReverseKL",
     "WeightedKL",
+    "alpha_renyi_full_covariance",
     "alpha_renyi_mean_field_elementwise",
     "alpha_renyi_via_log_normalizer",
     "fisher_rao_univariate",
+    "kl_full_covariance",
     "kl_mean_field_elementwise",
     "kl_via_log_normalizer",
     "make_divergence",
@@ -87,11 +93,31 @@ def _safe_sqrt(x: Tensor) -> Tensor:
     """``sqrt(x)`` for ``x >= 0`` whose gradient at ``x == 0`` is 0 instead of ``inf`` (no NaN downstream).
 
     Used where the argument vanishes only at a minimum of the distance (``q == p``), where 0 is a valid
-    subgradient of the (cone-shaped) distance.
+    subgradient of the (cone-shaped) distance.  Only an exact 0 is special-cased: a NaN argument (an
+    overflowed or improper factor) gives NaN, which the callers turn into a typed error, never into 0.
     """
     pos = x > 0
     safe = torch.where(pos, x, torch.ones_like(x))
-    return torch.where(pos, torch.sqrt(safe), torch.zeros_like(x))
+    zero_or_nan = torch.where(x == 0, torch.zeros_like(x), torch.full_like(x, math.nan))
+    return torch.where(pos, torch.sqrt(safe), zero_or_nan)
+
+
+def _check_finite_distance(value: Tensor, what: str) -> Tensor:
+    """``value`` if every entry is finite, else :class:`NonFiniteError`.
+
+    The Fisher-Rao distance between proper Gaussians is always finite; a NaN or infinity means that a
+    moment overflowed (e.g. a float32 mean ``eta1 / lambda`` beyond the float range), and returning it, or
+    a 0, would silently mislead the optimiser.
+    """
+    v = value.detach()
+    if not bool(torch.isfinite(v).all()):
+        n_nan = int(torch.isnan(v).sum())
+        n_inf = int(torch.isinf(v).sum())
+        raise NonFiniteError(
+            f"{what}: the Fisher-Rao distance is not finite ({n_nan} NaN, {n_inf} infinite of {v.numel()}); "
+            f"a moment (mean = eta1 / lambda, or a standard deviation) overflowed in {v.dtype}"
+        )
+    return value
 
 
 def _mean_precision(q: MeanFieldGaussian) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -100,13 +126,31 @@ def _mean_precision(q: MeanFieldGaussian) -> tuple[dict[str, Tensor], dict[str, 
     return mean, lam
 
 
+def _full_moments(f: FullCovarianceGaussian, what: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean, symmetrised precision, lower Cholesky factor of it)`` of a proper full-covariance factor,
+    differentiable; :class:`ImproperDistributionError` naming ``what`` if the factorisation fails.
+
+    The mean is a Cholesky solve of ``Lambda mu = eta1`` (no explicit inverse).  The symmetrisation matches
+    :meth:`FullCovarianceGaussian.log_normalizer`, so gradients w.r.t. ``eta2`` are split symmetrically as
+    there.
+    """
+    lam = f.precision()
+    lam = 0.5 * (lam + lam.T)
+    chol, info = torch.linalg.cholesky_ex(lam)
+    if int(info) != 0:
+        raise ImproperDistributionError(what, f.detach().improper_detail() or "precision not positive definite")
+    mean = torch.cholesky_solve(f.eta1.unsqueeze(-1), chol).squeeze(-1)
+    return mean, lam, chol
+
+
 # ==================================================================================================
 # closed forms as plain functions
 def kl_via_log_normalizer(q: GaussianFactor, p: GaussianFactor) -> Tensor:
     """``KL(q || p) = A(eta_p) - A(eta_q) - <eta_p - eta_q, E_q[T]>`` for any Gaussian family (generic form).
 
-    Exact in float64; in float32 with many coordinates the large log-normalisers cancel, which is why
-    :class:`KL` uses :func:`kl_mean_field_elementwise` for mean-field factors.
+    Exact in float64 for moderate means and precisions; in float32 (or with large ``mu^T Lambda mu``) the large
+    log-normalisers cancel, which is why :class:`KL` uses :func:`kl_mean_field_elementwise` for mean-field
+    factors and :func:`kl_full_covariance` for full-covariance ones.  Kept as the generic reference form.
     """
     _check_same_layout(q, p)
     q.detach().check_proper("q in KL")
@@ -119,19 +163,62 @@ def kl_via_log_normalizer(q: GaussianFactor, p: GaussianFactor) -> Tensor:
 def kl_mean_field_elementwise(q: MeanFieldGaussian, p: MeanFieldGaussian) -> dict[str, Tensor]:
     """Per-coordinate ``KL(q_i || p_i)`` of two proper mean-field Gaussians (same layout), in the form
 
-        KL_i = 1/2 [ (u - log1p(u)) + lambda_p (mu_q - mu_p)^2 ],   u = (lambda_p - lambda_q) / lambda_q,
+        KL_i = 1/2 [ (u - log(r)) + lambda_p (mu_q - mu_p)^2 ],   r = lambda_p / lambda_q,
+                                                                  u = (lambda_p - lambda_q) / lambda_q = r - 1,
 
     which equals ``1/2 [tr(Lambda_p Sigma_q) - 1 - log(lambda_p / lambda_q) + lambda_p (mu_q - mu_p)^2]`` and
     is accurate in float32 (no cancellation of log-normalisers).  Each entry is >= 0.
+
+    ``log(r)`` is evaluated as ``log1p(u)`` where ``|u| <= 1/2`` (accurate near ``r = 1``, where the value is
+    O(u^2)) and as ``log(r)`` with ``r`` formed directly elsewhere: for ``r`` below ~6e-8 (float32) ``u``
+    rounds to ``-1`` and ``log1p(u)`` would be ``-inf`` (an infinite KL for, e.g., ``v_q = 1e-8`` under a
+    unit cavity, whose KL is 8.71), and already at ``r ~ 1e-6`` the rounding of ``1 + u`` costs percents.
+    The branch not taken is fed a harmless argument so that its gradient is finite (``torch.where`` would
+    otherwise propagate ``0 * inf = NaN``).
     """
     mq, lq = _mean_precision(q)
     mp, lp = _mean_precision(p)
     out = {}
     for n in q.names:
         u = (lp[n] - lq[n]) / lq[n]
+        near = u.abs() <= 0.5
+        r = lp[n] / lq[n]
         d = mq[n] - mp[n]
-        out[n] = 0.5 * ((u - torch.log1p(u)) + lp[n] * d * d)
+        gap = torch.where(
+            near,
+            u - torch.log1p(torch.where(near, u, torch.zeros_like(u))),
+            u - torch.log(torch.where(near, torch.ones_like(r), r)),
+        )
+        out[n] = 0.5 * (gap + lp[n] * d * d)
     return out
+
+
+def kl_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaussian) -> Tensor:
+    """``KL(q || p)`` of two proper full-covariance Gaussians in moment form,
+
+        KL = 1/2 [ tr(Lambda_p Sigma_q) - d + dmu^T Lambda_p dmu + logdet Lambda_q - logdet Lambda_p ],
+
+    with ``dmu = mu_q - mu_p`` formed explicitly and, with ``Lambda = L L^T`` (Cholesky),
+    ``tr(Lambda_p Sigma_q) = ||L_q^{-1} L_p||_F^2``, ``dmu^T Lambda_p dmu = ||L_p^T dmu||^2`` and
+    ``logdet Lambda_p - logdet Lambda_q = 2 sum_i log(L_p,ii / L_q,ii)`` (no explicit inverse).
+
+    Every term is O(the divergence) or O(d), unlike the log-normaliser form
+    :func:`kl_via_log_normalizer`, whose ``1/2 mu^T Lambda mu`` terms (~10^6 at means ~10 and precisions
+    ~10^4) cancel: in float32 that form was off by 3 % there and by ~50 % at precisions ~10^5, which misled
+    best-state selection and the L-BFGS line search of a float32 full-covariance polish.  Equal to it in
+    float64 (to rounding).  Differentiable by autograd in both arguments.
+    """
+    _check_same_layout(q, p)
+    q.detach().check_proper("q in KL")
+    p.detach().check_proper("p in KL")
+    mu_q, _, chol_q = _full_moments(q, "q in KL")
+    mu_p, _, chol_p = _full_moments(p, "p in KL")
+    dmu = mu_q - mu_p
+    w = torch.linalg.solve_triangular(chol_q, chol_p, upper=False)  # L_q^{-1} L_p
+    trace = (w * w).sum()
+    maha = (chol_p.T @ dmu).square().sum()
+    logdet_ratio = 2.0 * torch.log(torch.diagonal(chol_p) / torch.diagonal(chol_q)).sum()
+    return 0.5 * (trace - q.dim + maha - logdet_ratio)
 
 
 def alpha_renyi_via_log_normalizer(q: GaussianFactor, p: GaussianFactor, alpha: float) -> Tensor:
@@ -152,6 +239,53 @@ def alpha_renyi_via_log_normalizer(q: GaussianFactor, p: GaussianFactor, alpha: 
         raise DivergenceUndefinedError(_undefined_message(alpha, detail))
     num = mix.log_normalizer() - alpha * q.log_normalizer() - (1.0 - alpha) * p.log_normalizer()
     return num / (alpha * (alpha - 1.0))
+
+
+def alpha_renyi_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaussian, alpha: float) -> Tensor:
+    """Alpha-Renyi divergence of two proper full-covariance Gaussians in the (moment) Sigma_alpha form
+
+        D = 1/2 dmu^T Sigma_a^{-1} dmu - log(|Sigma_a| / (|Sigma_q|^(1-alpha) |Sigma_p|^alpha)) / (2 alpha (alpha-1)),
+
+    ``Sigma_a = alpha Sigma_p + (1-alpha) Sigma_q``, evaluated without inverses through the combined precision
+    ``Lambda_a = alpha Lambda_q + (1-alpha) Lambda_p = L_a L_a^T``: ``Sigma_a = Sigma_q Lambda_a Sigma_p``, so
+    ``Sigma_a^{-1} = Lambda_p Lambda_a^{-1} Lambda_q`` and
+
+        dmu^T Sigma_a^{-1} dmu = <L_a^{-1} Lambda_p dmu, L_a^{-1} Lambda_q dmu>,
+        log-det term = 2 sum_i [alpha log(L_a,ii / L_q,ii) + (1-alpha) log(L_a,ii / L_p,ii)],
+
+    with ``dmu = mu_q - mu_p`` formed explicitly.  This is accurate in float32 where the log-normaliser form
+    :func:`alpha_renyi_via_log_normalizer` cancels ~10^6-sized terms (14 % off at means ~10 and precisions
+    ~10^4 for alpha = 2.5), and equals it in float64 to rounding.
+
+    Raises :class:`DivergenceUndefinedError` if ``Lambda_a`` is not positive definite (see :class:`AlphaRenyi`
+    for the region).  ``alpha`` is not validated here beyond ``alpha not in {0, 1}``.
+    """
+    _check_same_layout(q, p)
+    if alpha in (0.0, 1.0):
+        raise ValueError(f"alpha must not be 0 or 1 here, got {alpha}")
+    q.detach().check_proper("q in alpha_renyi")
+    p.detach().check_proper("p in alpha_renyi")
+    mix = q.combine(p, alpha, 1.0 - alpha)
+    detail = mix.detach().improper_detail()
+    if detail is not None:
+        raise DivergenceUndefinedError(_undefined_message(alpha, detail))
+    lam_a = mix.precision()
+    chol_a, info = torch.linalg.cholesky_ex(0.5 * (lam_a + lam_a.T))
+    if int(info) != 0:  # positive definite by improper_detail, but not to rounding here
+        raise DivergenceUndefinedError(
+            _undefined_message(alpha, "the combined precision is on the boundary of positive definiteness to rounding")
+        )
+    mu_q, lam_q, chol_q = _full_moments(q, "q in alpha_renyi")
+    mu_p, lam_p, chol_p = _full_moments(p, "p in alpha_renyi")
+    dmu = mu_q - mu_p
+    zq = torch.linalg.solve_triangular(chol_a, (lam_q @ dmu).unsqueeze(-1), upper=False).squeeze(-1)
+    zp = torch.linalg.solve_triangular(chol_a, (lam_p @ dmu).unsqueeze(-1), upper=False).squeeze(-1)
+    quad = (zq * zp).sum()
+    diag_a = torch.diagonal(chol_a)
+    log_term = 2.0 * (
+        alpha * torch.log(diag_a / torch.diagonal(chol_q)) + (1.0 - alpha) * torch.log(diag_a / torch.diagonal(chol_p))
+    ).sum()
+    return 0.5 * quad - log_term / (2.0 * alpha * (alpha - 1.0))
 
 
 def alpha_renyi_mean_field_elementwise(
@@ -240,6 +374,8 @@ def fisher_rao_univariate(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> T
     ``den`` the numerator and denominator of ``D^2`` (using ``den - num = 8 s1 s2``), which is accurate both
     for nearby and for far-apart Gaussians.  The square root is a safe one: at ``q == p`` the value is 0 and
     the gradient is 0 (a subgradient of the cone-shaped distance), never NaN.  Broadcasts its arguments.
+    A non-finite result (a NaN or infinite argument, or an overflow of ``dm2`` or ``s1 s2``) raises
+    :class:`~common.errors.NonFiniteError` instead of being returned.
     """
     mu1, s1, mu2, s2 = (torch.as_tensor(x) for x in (mu1, s1, mu2, s2))
     if not (bool((s1 > 0).all()) and bool((s2 > 0).all())):
@@ -248,7 +384,7 @@ def fisher_rao_univariate(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> T
     num = dm2 + 2.0 * (s2 - s1) ** 2
     den = dm2 + 2.0 * (s2 + s1) ** 2
     x = (num + _safe_sqrt(num * den)) / (4.0 * s1 * s2)
-    return _SQRT2 * torch.log1p(x)
+    return _check_finite_distance(_SQRT2 * torch.log1p(x), "fisher_rao_univariate")
 
 
 # ==================================================================================================
@@ -273,8 +409,9 @@ DIVERGENCES: Registry[Divergence] = Registry("divergence")
 class KL(Divergence):
     """``KL(q || p)``.
 
-    Full covariance: the generic log-normaliser form :func:`kl_via_log_normalizer`.  Mean-field: the sum of
-    :func:`kl_mean_field_elementwise` (equal in exact arithmetic, accurate in float32).
+    Full covariance: the moment form :func:`kl_full_covariance`.  Mean-field: the sum of
+    :func:`kl_mean_field_elementwise`.  Both equal the generic log-normaliser form
+    :func:`kl_via_log_normalizer` in exact arithmetic and are accurate in float32.
     """
 
     name: ClassVar[str] = "kl"
@@ -290,6 +427,9 @@ def _kl(q: GaussianFactor, p: GaussianFactor, label: str) -> Tensor:
     if isinstance(q, MeanFieldGaussian):
         assert isinstance(p, MeanFieldGaussian)
         return sum(v.sum() for v in kl_mean_field_elementwise(q, p).values())  # type: ignore[return-value]
+    if isinstance(q, FullCovarianceGaussian):
+        assert isinstance(p, FullCovarianceGaussian)
+        return kl_full_covariance(q, p)
     return kl_via_log_normalizer(q, p)
 
 
@@ -330,9 +470,10 @@ class AlphaRenyi(Divergence):
     """Alpha-Renyi divergence ``D_AR = 1/(alpha (alpha-1)) log int q^alpha p^(1-alpha)`` (Knoblauch et al. 2022).
 
     Closed form through the log-normaliser,
-    ``[A(alpha eta_q + (1-alpha) eta_p) - alpha A(eta_q) - (1-alpha) A(eta_p)] / (alpha (alpha-1))``; for
-    mean-field factors the equivalent per-coordinate (mean, precision) form
-    :func:`alpha_renyi_mean_field_elementwise` is used.  ``alpha -> 1`` gives ``KL(q || p)`` and
+    ``[A(alpha eta_q + (1-alpha) eta_p) - alpha A(eta_q) - (1-alpha) A(eta_p)] / (alpha (alpha-1))``, evaluated
+    in the equivalent float32-safe moment forms: per coordinate (mean, precision) for mean-field factors
+    (:func:`alpha_renyi_mean_field_elementwise`), the Sigma_alpha form for full covariance
+    (:func:`alpha_renyi_full_covariance`).  ``alpha -> 1`` gives ``KL(q || p)`` and
     ``alpha -> 0`` gives ``KL(p || q)``; use ``"kl"`` / ``"reverse_kl"`` for those values.
 
     Region where it is finite: ``alpha eta_q + (1-alpha) eta_p`` must be a proper natural parameter, i.e. the
@@ -366,6 +507,9 @@ class AlphaRenyi(Divergence):
             assert isinstance(p, MeanFieldGaussian)
             parts = alpha_renyi_mean_field_elementwise(q, p, self.alpha)
             return sum(v.sum() for v in parts.values())  # type: ignore[return-value]
+        if isinstance(q, FullCovarianceGaussian):
+            assert isinstance(p, FullCovarianceGaussian)
+            return alpha_renyi_full_covariance(q, p, self.alpha)
         return alpha_renyi_via_log_normalizer(q, p, self.alpha)
 
     def __repr__(self) -> str:
@@ -406,7 +550,7 @@ class FisherRao(Divergence):
             sq = sum(
                 (fisher_rao_univariate(mq[n], lq_[n].rsqrt(), mp[n], lp_[n].rsqrt()) ** 2).sum() for n in q.names
             )
-            return _safe_sqrt(sq)  # type: ignore[arg-type]
+            return _check_finite_distance(_safe_sqrt(sq), "fisher_rao")  # type: ignore[arg-type]
         raise TypeError(f"fisher_rao: unsupported family {type(q).__name__}")
 
 

@@ -20,7 +20,8 @@ def evaluate_posterior(
     Classifiers: accuracy, NLL, ECE (15 bins), Brier; with ``bin_sums`` also the ECE's additive per-bin sums
     (:func:`common.metrics.calibration_bin_sums`, keys :func:`common.metrics.bin_sum_key`), from which a server pools the
     ECE of all clients' points exactly.  Gaussian models: predictive NLL (MC mixture over ``n_samples``
-    posterior draws) and RMSE of the predictive mean.
+    posterior draws) and RMSE of the predictive mean; ``y`` is ``(B, D)``, or ``(B,)`` for ``D = 1``, and a
+    mismatch raises :class:`~common.errors.ShapeMismatchError`.
     """
     if len(y) == 0:
         return {"num-examples": 0.0}
@@ -35,6 +36,9 @@ def evaluate_posterior(
         else:
             theta = q.rsample(n_samples, generator=gen)
             pred = problem.model.output(theta, xt)
+            # (B, D): a (B,) target of a one-dimensional output becomes the column (B, 1), any other mismatch
+            # raises ShapeMismatchError (a (B,) target against a (B, 1) mean would broadcast to (B, B))
+            yt = pred.target(yt)  # type: ignore[attr-defined]
             logp = pred.log_prob(yt)  # (S, B)
             nll = -(torch.logsumexp(logp, dim=0) - math.log(n_samples)).mean()
             mean = pred.mean.mean(0)  # type: ignore[attr-defined]

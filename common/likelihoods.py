@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from common.errors import ShapeMismatchError
+
 
 class LikelihoodOutput(ABC):
     @abstractmethod
@@ -40,7 +42,11 @@ class CategoricalOutput(LikelihoodOutput):
 
 
 class GaussianOutput(LikelihoodOutput):
-    """Isotropic Gaussian likelihood ``N(y; mean, sigma^2 I)``; ``mean`` is ``(S, B, D)``, ``y`` is ``(B, D)``."""
+    """Isotropic Gaussian likelihood ``N(y; mean, sigma^2 I)``; ``mean`` is ``(S, B, D)``, ``y`` is ``(B, D)``.
+
+    A mean whose batch dimension is 1 (``(S, 1, D)``, e.g. a location model without inputs) broadcasts against
+    any batch.  With ``D = 1`` the targets may also be ``(B,)`` (see :meth:`target`).
+    """
 
     def __init__(self, mean: Tensor, sigma: float) -> None:
         if sigma <= 0:
@@ -52,8 +58,34 @@ class GaussianOutput(LikelihoodOutput):
     def event_dim(self) -> int:
         return int(self.mean.shape[-1])
 
+    def target(self, y: Tensor) -> Tensor:
+        """``y`` as a ``(B, D)`` tensor that lines up with ``mean`` (``(S, B, D)`` or ``(S, 1, D)``), else
+        :class:`~common.errors.ShapeMismatchError` naming both shapes.
+
+        A ``(B,)`` target is accepted only when the event dimension ``D`` is 1, as the column ``(B, 1)``.
+        Without this, ``y.unsqueeze(0) - mean`` would broadcast a ``(B,)`` target against a ``(S, B, 1)`` mean
+        to ``(S, B, B)``, and the sum over the last axis would add every target's residual to every row: a
+        wrong likelihood, silently, and a wrong posterior from the Monte Carlo and quadrature paths.
+        """
+        d = self.event_dim
+        yy = y.unsqueeze(-1) if (y.dim() == 1 and d == 1) else y
+        batch = tuple(self.mean.shape[1:-1])
+        ok = (
+            yy.dim() == self.mean.dim() - 1
+            and int(yy.shape[-1]) == d
+            and all(mb in (1, yb) for mb, yb in zip(batch, yy.shape[:-1]))
+        )
+        if not ok:
+            dims = ", ".join("any" if mb == 1 else str(mb) for mb in batch)
+            expect = f"({dims}, {d})" + (f" or ({dims},)" if d == 1 else "")
+            raise ShapeMismatchError(
+                f"Gaussian likelihood: target of shape {tuple(y.shape)} does not match the mean of shape "
+                f"{tuple(self.mean.shape)} (samples, batch, event); expected a target of shape {expect}"
+            )
+        return yy
+
     def log_prob(self, y: Tensor) -> Tensor:
-        r2 = ((y.unsqueeze(0) - self.mean) ** 2).sum(-1)
+        r2 = ((self.target(y).unsqueeze(0) - self.mean) ** 2).sum(-1)
         d = self.event_dim
         return -0.5 * r2 / self.sigma**2 - 0.5 * d * math.log(2 * math.pi * self.sigma**2)
 
