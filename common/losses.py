@@ -309,8 +309,7 @@ class ScoreMatchingLoss(Loss):
     def __call__(self, out: LikelihoodOutput, y: Tensor, reference: LikelihoodOutput | None = None) -> Tensor:
         out = self._check_output(out, "the output")
         sigma = out.sigma
-        if y.dim() == 1:
-            y = y.unsqueeze(-1)
+        y = out.target(y)  # (B, D); (B,) only for D = 1; a mismatch is a ShapeMismatchError, not a broadcast
         if reference is None:
             if self.weight != "constant":
                 raise ValueError("score_matching with a non-constant weight needs the reference output "

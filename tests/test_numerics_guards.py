@@ -388,3 +388,22 @@ def test_fisher_rao_of_overflowed_means_raises_instead_of_returning_zero():
         FisherRao()(q, p)
     with pytest.raises(NonFiniteError, match="Fisher-Rao"):
         fisher_rao_univariate(torch.tensor(float("nan")), torch.tensor(1.0), torch.tensor(0.0), torch.tensor(1.0))
+
+
+def test_score_matching_takes_a_1d_target_only_for_a_one_dimensional_output() -> None:
+    # the loss formed y.unsqueeze(0) - mean on its own: a (B,) target is the column for D = 1 and a
+    # ShapeMismatchError for D > 1, as in GaussianOutput.log_prob
+    from common.likelihoods import GaussianOutput
+    from common.losses import make_loss
+
+    loss = make_loss("score_matching", weight="constant")
+    g = torch.Generator().manual_seed(0)
+    mean1 = torch.randn(3, 5, 1, generator=g, dtype=torch.float64)
+    y = torch.randn(5, generator=g, dtype=torch.float64)
+    out1 = GaussianOutput(mean1, 0.7)
+    assert torch.equal(loss(out1, y), loss(out1, y.unsqueeze(-1)))
+    out2 = GaussianOutput(torch.randn(3, 5, 2, generator=g, dtype=torch.float64), 0.7)
+    with pytest.raises(ShapeMismatchError, match=r"target of shape \(5,\)"):
+        loss(out2, y)
+    with pytest.raises(ShapeMismatchError):
+        loss(out2, torch.randn(4, 2, generator=g, dtype=torch.float64))
