@@ -1,13 +1,18 @@
 """Server checkpoints: the whole PGVI server state, written atomically after every applied update.
 
 A checkpoint holds the posterior, the global site, every client's site (the ledger) and its version, the
-round and position within it, the sampling RNG state, the rejections and the metrics so far.  It is written
+round and position within it, the sampling RNG state, the rejections and the metrics so far.  The round is two
+numbers: ``round-completed``, the last round recorded, and ``round-applied``, the last round whose updates are
+all in the ledger (synchronous: one more between a round's applied batch and its record; a resume records that
+round instead of sending it again).  The RNG state is the one the first round a resume sends must start from
+(:meth:`strategies.pgvi.PGVIStrategy.sampling_state_to_checkpoint`), not necessarily the current one.  It is written
 *before* any client learns that its update was applied (that news travels in the next message), so a server
 that dies at any point resumes with a ledger that every client can reconcile with: a client whose update
 was applied but not checkpointed sees the older version and rolls back; nothing is lost or counted twice.
 
 Resume: a new run with ``resume = "<dir>"`` loads ``<dir>/checkpoint.npz``; the run config must be the same
-except for the keys in ``RESUME_FREE_KEYS``.
+except for the keys in ``RESUME_FREE_KEYS``.  Keys added to the format after version 1 (``round-applied``) take
+their old meaning when absent, so older checkpoints still load.
 """
 
 from __future__ import annotations
@@ -60,8 +65,9 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
         "ledger-versions": strategy.ledger_versions,
         "resync": sorted(strategy.resync),
         "round-completed": strategy.round_completed,
+        "round-applied": strategy.round_applied,
         "done-in-round": sorted(strategy.done_in_round),
-        "rng": repr(strategy.rng.getstate()),
+        "rng": repr(strategy.sampling_state_to_checkpoint()),
         "rejections": strategy.rejections,
         "bad-replies": strategy.bad_replies,
         "history": strategy.history,
@@ -97,6 +103,8 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     strategy.ledger_versions = {k: int(v) for k, v in meta["ledger-versions"].items()}
     strategy.resync = set(meta["resync"])
     strategy.round_completed = int(meta["round-completed"])
+    # absent from checkpoints written before it existed: resume those as their version did, at round-completed + 1
+    strategy.round_applied = max(strategy.round_completed, int(meta.get("round-applied", strategy.round_completed)))
     strategy.done_in_round = set(meta["done-in-round"])
     strategy.rng.setstate(ast.literal_eval(meta["rng"]))
     strategy.rejections = list(meta["rejections"])

@@ -15,7 +15,9 @@ A Delta is applied only if it decodes to the right names/shapes/dtypes, is finit
 the ledger's version of the client's site, keeps the posterior proper, and (async) is fresh enough.
 Otherwise it is rejected with a logged reason, counted in the round's metrics, and the state is unchanged;
 the client then rolls its pending site back (see ``common.client_state``).  A client that fails or times out
-keeps its old site and the run continues.
+keeps its old site and the run continues; it stops (:class:`AllClientsFailed`) when every client of a round failed
+(asynchronous: when every client's latest message failed and nothing was applied since).  A batch that only the
+combination of its Deltas makes invalid is rejected whole without charging any client a bad reply.
 
 Runtime API calls (push/pull) that fail transiently (HTTP 5xx, 408, 429, a dropped connection, an expired
 object-push session) are retried with a short backoff until the round deadline; only then are the messages
@@ -105,7 +107,8 @@ def _finite_number(value: object) -> float | None:
 
 
 class AllClientsFailed(RuntimeError):
-    """Every message of a round failed: the run cannot make progress, so it stops with the clients' reason."""
+    """Every message of a round failed (asynchronous: every client's latest message, with no update applied since):
+    the run cannot make progress, so it stops with the clients' reason."""
 
 
 @dataclass
@@ -119,6 +122,9 @@ class Reply:
     sent_version: int
     metrics: dict[str, float]
     reply_bytes: int
+    #: a second reply of the client in the same batch was rejected: the client may have staged that one's Delta
+    #: (a re-executed message), so even once this one is applied the client must be sent its ledger site
+    duplicated: bool = False
 
 
 #: The phases of a round whose wall time the server records (row key ``server-seconds-<phase>``):
@@ -263,8 +269,13 @@ class PGVIStrategy(Strategy):
         self._last_failure = ""
         self.aggregator = make_aggregator(self.cfg.aggregator, **self.cfg.aggregator_hyper())
         self.bad_replies: dict[str, int] = {}  # client id -> invalid replies so far (exclusion)
-        self.round_completed = 0  # last round whose updates are all applied (resume point)
+        self.round_completed = 0  # last round recorded and checkpointed with its row (resume point)
+        # last round whose train replies were all processed (>= round_completed): synchronous, it is one ahead
+        # between the checkpoint of the round's applied batch and the round's record; a resume does not resend it
+        self.round_applied = 0
         self.done_in_round: set[str] = set()  # sequential: clients already visited in the current round
+        self._rng_round: tuple[int, object] | None = None  # (round, sampling RNG state before it sampled)
+        self._failing: set[str] = set()  # asynchronous: clients whose latest outcome failed, nothing applied since
         self._requery: dict[int, tuple[float, float]] = {}  # unidentified node -> (next query time, backoff)
         self._order_warned = False
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
@@ -390,8 +401,10 @@ class PGVIStrategy(Strategy):
         runs in a background thread from the end of round r's apply, and the rest of round r's ending follows
         the push of round r+1's messages, so the evaluation overlaps the clients' work; the records, the
         checkpoints' contents and every posterior are those of the unpipelined run.  A server crash between that
-        push and round r's checkpoint resumes from the checkpoint written when round r's Deltas were applied,
-        as a crash during round r's apply would (clients with a pending update reconcile through the ledger).
+        push and round r's checkpoint resumes from the checkpoint written when round r's Deltas were applied: round
+        r is recorded, not sent again (:meth:`_record_applied_round`), and round r+1 draws the clients it drew
+        before the crash (:meth:`sampling_state_to_checkpoint`); clients with a pending update of round r+1
+        reconcile through the ledger.
         A round in which every client failed is never pipelined: its record is written and the run stops
         before any further message is sent.
         """
@@ -404,8 +417,10 @@ class PGVIStrategy(Strategy):
         pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation()
                 else None)
         try:
+            self._record_applied_round(grid, result)
             for rnd in range(self.round_completed + 1, num_rounds + 1):
                 self._await_clients(grid, rnd)
+                self._rng_round = (rnd, self.rng.getstate())
                 stats = RoundStats()
                 if self.cfg.schedule == "synchronous":  # ends the previous round once it has pushed (or had nothing to)
                     self._round_synchronous(grid, rnd, timeout, stats, after_push=finish_pending)
@@ -428,6 +443,30 @@ class PGVIStrategy(Strategy):
             if pool is not None:
                 pool.shutdown(wait=True)
 
+    def _record_applied_round(self, grid: Grid, result: Result) -> None:
+        """Resumed from a checkpoint written between round r's applied batch and round r's record (a crash during
+        its server evaluation or record, or, pipelined, during round r+1's push): round r's Deltas are in the
+        ledger, so sending round r again would make every sampled client update once more than in the
+        uninterrupted run.  Round r is only evaluated and recorded (once); the run continues with round r+1.  Its
+        counters died with the server: like the row of any round interrupted by a crash, its row counts only what
+        this run did in it (nothing); ``version`` shows its applied batch."""
+        rnd = self.round_applied
+        if rnd <= self.round_completed:
+            return
+        log(INFO, "round %d: its updates were applied before the restart; recording it without sending it again", rnd)
+        stats = RoundStats()
+        result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
+        self._close_round(rnd, stats, grid, result, do_client_eval=True)
+
+    def sampling_state_to_checkpoint(self) -> object:
+        """The sampling RNG state a checkpoint written now must hold: the state before the sampling of the first round
+        a run resumed from it sends (round ``round_applied + 1``).  That round may be sampled already: with a
+        pipelined evaluation round r's checkpoint is written after round r+1's push, and a sequential round writes a
+        checkpoint after each update; the resumed run must draw the clients the uninterrupted run drew."""
+        if self._rng_round is not None and self._rng_round[0] == self.round_applied + 1:
+            return self._rng_round[1]
+        return self.rng.getstate()
+
     def _end_round_later(self, pool: ThreadPoolExecutor, rnd: int, stats: RoundStats, grid: Grid,
                          result: Result) -> Callable[[], None]:
         """Start round ``rnd``'s server evaluation in ``pool``; return the rest of the round's ending."""
@@ -444,12 +483,13 @@ class PGVIStrategy(Strategy):
         return lambda: self._close_round(rnd, stats, grid, result, do_client_eval=False, server_metrics=future.result())
 
     def _close_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool,
-                     server_metrics: dict[str, float] | None = None) -> None:
+                     server_metrics: dict[str, float] | None = None, check_progress: bool = True) -> None:
         """Record round ``rnd`` (:meth:`_record_round`), then checkpoint it (after the row: the checkpoint of round
-        ``rnd`` holds its history row), then stop the run if every client of the round failed."""
+        ``rnd`` holds its history row), then (``check_progress``) stop the run if every client of the round failed."""
         self._record_round(rnd, stats, grid, result, do_client_eval, server_metrics)
         self._end_round(rnd)
-        self._check_progress(rnd, stats)
+        if check_progress:
+            self._check_progress(rnd, stats)
 
     def _checkpoint(self) -> None:
         if self.checkpoint_dir is not None:
@@ -457,6 +497,7 @@ class PGVIStrategy(Strategy):
 
     def _end_round(self, rnd: int) -> None:
         self.round_completed = rnd
+        self.round_applied = max(self.round_applied, rnd)
         self.done_in_round = set()
         self._checkpoint()
 
@@ -477,6 +518,30 @@ class PGVIStrategy(Strategy):
                 f"round {rnd}: all {stats.sent} client messages failed (last reason: {self._last_failure})"
             )
 
+    def _note_outcome(self, node: int, failed: bool, applied: bool = False) -> None:
+        """Asynchronous: remember whether the latest message to ``node``'s client failed, for
+        :meth:`_check_async_progress`.  An applied update is progress: it forgives every earlier failure."""
+        if applied:
+            self._failing.clear()
+        cid = self.node_client.get(node)
+        if cid is None:
+            return
+        if failed:
+            self._failing.add(cid)
+        else:  # a reply, even a rejected one or a resync request: the client is working
+            self._failing.discard(cid)
+
+    def _check_async_progress(self, rnd: int, clients: set[str]) -> None:
+        """Asynchronous: stop when the latest message of every usable client (connected, identified, not excluded)
+        failed and no update was applied since.  A round's counts cannot tell: a round is num-clients outcomes, so
+        a client that fails at once fills it alone while a slower, healthy client's update is on its way (and a
+        failing client keeps its old site; the run goes on)."""
+        if clients and clients <= self._failing:
+            raise AllClientsFailed(
+                f"round {rnd}: the latest message of every client ({', '.join(sorted(clients))}) failed and no "
+                f"update was applied since (last reason: {self._last_failure})"
+            )
+
     def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats,
                            after_push: Callable[[], None] | None = None) -> None:
         msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
@@ -484,7 +549,7 @@ class PGVIStrategy(Strategy):
         replies = self._send_and_receive(grid, msgs, timeout, stats, after_push)
         self._count_timeouts(rnd, len(msgs), replies, stats)
         with stats.timed("apply"):
-            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
+            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats, whole_round=True)
 
     def _round_sequential(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
         nodes = self._sample_nodes(grid)
@@ -525,6 +590,8 @@ class PGVIStrategy(Strategy):
 
         resolved = 0  # messages of this round that got their outcome (a reply, a failure or a timeout)
         poll = self._reply_poll()
+        usable: list[int] = []  # the nodes the last dispatch could use (connected, identified, not excluded)
+        self._failing = set()
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
             nonlocal resolved
@@ -532,7 +599,8 @@ class PGVIStrategy(Strategy):
                 return rnd, stats
             resolved = 0
             result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
-            self._close_round(rnd, stats, grid, result, do_client_eval=False)
+            self._close_round(rnd, stats, grid, result, do_client_eval=False, check_progress=False)
+            self._check_async_progress(rnd, {self.node_client[n] for n in usable if n in self.node_client})
             return rnd + 1, RoundStats()
 
         while rnd <= num_rounds:
@@ -541,7 +609,8 @@ class PGVIStrategy(Strategy):
                 break
             if not inflight:
                 self._await_clients(grid, rnd)
-            free = [n for n in self._sample_nodes(grid, fraction=1.0) if n not in busy]
+            usable = self._sample_nodes(grid, fraction=1.0)
+            free = [n for n in usable if n not in busy]
             if free:
                 msgs = [self._train_message(n, rnd) for n in free]
                 with stats.timed("push"):
@@ -550,6 +619,8 @@ class PGVIStrategy(Strategy):
                 if mids is None:
                     stats.failed += len(msgs)
                     resolved += len(msgs)
+                    for msg in msgs:
+                        self._note_outcome(msg.metadata.dst_node_id, failed=True)
                     log(WARNING, "round %d: %d message(s) could not be pushed; those clients keep their old sites", rnd, len(msgs))
                     stats.sent += len(msgs)
                     rnd, stats = close_if_full(rnd, stats)
@@ -575,6 +646,7 @@ class PGVIStrategy(Strategy):
                     for d in self._decode_replies(rnd, [reply], RoundStats()):
                         self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
                     continue
+                failed, applied = stats.failed, stats.applied
                 for d in self._decode_replies(rnd, [reply], stats):
                     if sent_version < 0:  # not a reply to a message in flight
                         self._reject(rnd, d.client_id, d.node_id, "reply to no message in flight", stats, bad=False)
@@ -586,6 +658,8 @@ class PGVIStrategy(Strategy):
                         continue
                     with stats.timed("apply"):
                         self._apply_batch(rnd, [d], stats)
+                if sent_version >= 0:  # the outcome of a message in flight (not a duplicate)
+                    self._note_outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
                 rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
             now = time.time()
             for mid, (node, sent, _) in list(inflight.items()):
@@ -594,6 +668,7 @@ class PGVIStrategy(Strategy):
                     busy.discard(node)
                     stats.failed += 1
                     resolved += 1
+                    self._note_outcome(node, failed=True)
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)
             if replies:
@@ -913,7 +988,13 @@ class PGVIStrategy(Strategy):
                     continue
                 if status != P.STATUS_OK:
                     raise PGVIError(f"unknown status {status!r}")
-                if cid in seen:  # a re-executed or re-delivered message: harmless, one reply is applied
+                if cid in seen:  # a re-executed or re-delivered message: one reply is applied, the client may have
+                    # staged the other one's Delta (a re-execution can compute another): one site transfer
+                    # reconciles it, as the version check does for a duplicate arriving in a later batch
+                    self.resync.add(cid)
+                    for r in out:
+                        if r.client_id == cid:
+                            r.duplicated = True  # its application must not cancel this resync
                     self._reject(rnd, cid, node, "second reply from the same client in one batch (duplicate)",
                                  stats, bad=False)
                     continue
@@ -940,8 +1021,13 @@ class PGVIStrategy(Strategy):
                 self._reject(rnd, cid, node, f"malformed reply: {type(err).__name__}: {err}", stats)
         return out
 
-    def _apply_batch(self, rnd: int, decoded: list[Reply], stats: RoundStats) -> None:
-        """Apply the Deltas that keep the posterior proper; the batch is applied atomically."""
+    def _apply_batch(self, rnd: int, decoded: list[Reply], stats: RoundStats, whole_round: bool = False) -> None:
+        """Apply the Deltas that keep the posterior proper; the batch is applied atomically.
+
+        ``whole_round`` (synchronous): the batch is all of round ``rnd``'s updates, so its checkpoint records the
+        round as applied; a server that dies before the round's record then resumes by recording it, not by
+        sending it again.
+        """
         ok: list[Reply] = []
         for d in decoded:
             if self._excluded(d.client_id):  # excluded by a later reply of the same batch
@@ -969,18 +1055,17 @@ class PGVIStrategy(Strategy):
             except Exception as err:
                 if not isinstance(err, UpdateRejected):  # numerical failure on an extreme input
                     err = UpdateRejected(",".join(credited), f"{type(err).__name__}: {err}")
-                culprit = [d for d in ok if d.client_id == err.client_id]
-                for d in culprit or ok:  # one named client: drop it and re-aggregate; else the whole batch
-                    self._reject(rnd, d.client_id, d.node_id, f"batch check: {err.reason}", stats)
-                ok = [d for d in ok if d not in culprit] if culprit else []
+                ok = self._drop_rejected(rnd, ok, err, stats)
         for d in ok:
             if credited[d.client_id] is not d.delta:  # the client holds site*Delta: resend the credited site
                 self.resync.add(d.client_id)
         for d in ok:
             self.ledger_versions[d.client_id] = self.ledger_versions.get(d.client_id, 0) + 1
-            if credited[d.client_id] is d.delta:
+            if credited[d.client_id] is d.delta and not d.duplicated:  # the client holds the ledger's site
                 self.resync.discard(d.client_id)
         if ok:
+            if whole_round:
+                self.round_applied = rnd
             self._checkpoint()  # before any client can learn that its update was applied
         for d in ok:
             stats.applied += 1
@@ -990,6 +1075,43 @@ class PGVIStrategy(Strategy):
                 stats.client_seconds.append(d.metrics["seconds"])
             if "epochs" in d.metrics:
                 stats.client_epochs.append(d.metrics["epochs"])
+
+    def _drop_rejected(self, rnd: int, ok: list[Reply], err: UpdateRejected, stats: RoundStats) -> list[Reply]:
+        """The Deltas of ``ok`` to try again (re-aggregated) after the server rejected the batch with ``err``.
+
+        The Deltas to blame (the client ``err`` names, else those the server step rejects on their own) are
+        rejected as bad replies and the others tried again.  If none is to blame on its own, only their combination
+        fails (the posterior is improper, or the server optimisation fails, with all of them): the whole batch is
+        rejected, but no client is charged a bad reply, for each sent a Delta that was valid as far as it could
+        know; honest clients must not be excluded (nor, with ``exclusion-removes-site``, their sites divided out)
+        because others updated in the same round.  A rejected client keeps its ledger version, so its next
+        message makes it roll its pending update back, as for any rejection.
+        """
+        blame = {d.client_id: err.reason for d in ok if d.client_id == err.client_id}
+        if not blame:
+            blame = {d.client_id: why for d in ok if (why := self._rejected_alone(d)) is not None}
+        if blame:
+            for d in ok:
+                if d.client_id in blame:
+                    self._reject(rnd, d.client_id, d.node_id, f"batch check: {blame[d.client_id]}", stats)
+            return [d for d in ok if d.client_id not in blame]
+        for d in ok:
+            self._reject(rnd, d.client_id, d.node_id, f"batch check (jointly with the batch's other Deltas, valid on "
+                         f"its own): {err.reason}", stats, bad=False)
+        return []
+
+    def _rejected_alone(self, d: Reply) -> str | None:
+        """Why the server would reject ``d``'s Delta were it the only one of its batch, else ``None``: the server
+        step (not only the KL product checked on decoding) applied to the global site times this Delta."""
+        st = self.state
+        assert st.global_site is not None
+        try:
+            st.server_step(st.prior, st.global_site * d.delta).check_proper("server posterior after this Delta alone")
+        except PGVIError as err:
+            return str(err)
+        except Exception as err:  # numerical failure on an extreme input: this Delta's, never a crash
+            return f"{type(err).__name__}: {err}"
+        return None
 
     # =============================================================================================
     # evaluation and records
