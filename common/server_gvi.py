@@ -122,13 +122,22 @@ class ServerGVIStep:
     def __repr__(self) -> str:
         return f"ServerGVIStep({self.divergence!r}, method={self.method!r})"
 
+    @property
+    def closed_form_power(self) -> float | None:
+        """``w`` where this step is the closed form ``prior * global_site ** w`` (the weighted KL with
+        ``method="auto"``), else ``None`` (solved by optimisation)."""
+        if self.method == "auto" and isinstance(self.divergence, WeightedKL):
+            return float(self.divergence.w)
+        return None
+
     # ----------------------------------------------------------------------------------------------
     def __call__(self, prior: GaussianFactor, global_site: GaussianFactor) -> GaussianFactor:
         prior.check_proper("prior")
         global_site.check_finite("global site")
-        if self.method == "auto" and isinstance(self.divergence, WeightedKL):
+        w = self.closed_form_power
+        if w is not None:
             self.last_info = {"path": "closed_form"}
-            return prior * global_site ** self.divergence.w
+            return prior * global_site ** w
         return self.optimise(prior, global_site)
 
     def optimise(self, prior: GaussianFactor, global_site: GaussianFactor) -> GaussianFactor:

@@ -57,7 +57,8 @@ from common import protocol as P
 from common.aggregation import make_aggregator
 from common.backoff import GeometricBackoff
 from common.errors import PGVIError
-from common.factors import PGVIServerState, UpdateRejected
+from common.factors import PGVIServerState, UpdateRejected, kl_server_step
+from common.server_gvi import ServerGVIStep
 from common.families import GaussianFactor
 from common.metrics import bin_sum_key, ece_from_bin_sums
 from common.problem import Problem
@@ -1039,7 +1040,7 @@ class PGVIStrategy(Strategy):
                              f"{self.ledger_versions.get(d.client_id)} since the Delta was decoded", stats, bad=False)
                 continue
             try:
-                (self.state.posterior * d.delta).check_proper("server posterior after this Delta")  # type: ignore[operator]
+                self._check_alone(d.delta)
                 ok.append(d)
             except PGVIError as err:
                 self._reject(rnd, d.client_id, d.node_id, str(err), stats)
@@ -1075,6 +1076,25 @@ class PGVIStrategy(Strategy):
                 stats.client_seconds.append(d.metrics["seconds"])
             if "epochs" in d.metrics:
                 stats.client_epochs.append(d.metrics["epochs"])
+
+    def _check_alone(self, delta: GaussianFactor) -> None:
+        """Raise a :class:`PGVIError` if the server step would give an improper posterior with ``delta`` applied
+        alone, where the step is a closed form: ``posterior * delta`` for KL, ``posterior * delta ** w`` for the
+        weighted KL (``prior * (G delta)^w``; checking ``posterior * delta`` there rejected valid Deltas when
+        ``w < 1`` and let improper ones through to the batch when ``w > 1``).  A step solved by optimisation is
+        not run once per Delta here: the batch's own step decides, and :meth:`_drop_rejected` finds a Delta it
+        rejects on its own; any other step is run with the Delta alone."""
+        st = self.state
+        assert st.posterior is not None and st.global_site is not None
+        what = "server posterior after this Delta"
+        if st.server_step is kl_server_step:
+            (st.posterior * delta).check_proper(what)
+        elif isinstance(st.server_step, ServerGVIStep):
+            w = st.server_step.closed_form_power
+            if w is not None:
+                (st.posterior * delta ** w).check_proper(what)
+        else:  # another step (a wrapper, a plug-in): run it
+            st.server_step(st.prior, st.global_site * delta).check_proper(what)
 
     def _drop_rejected(self, rnd: int, ok: list[Reply], err: UpdateRejected, stats: RoundStats) -> list[Reply]:
         """The Deltas of ``ok`` to try again (re-aggregated) after the server rejected the batch with ``err``.

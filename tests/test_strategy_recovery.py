@@ -380,3 +380,37 @@ def test_a_checkpoint_without_the_newer_fields_still_loads(tmp_path):
     load_checkpoint(loaded, tmp_path)
     assert (loaded.round_completed, loaded.round_applied) == (2, 2)
     assert loaded.ledger_versions == s.ledger_versions and loaded.history == s.history
+
+
+# ============================================================================================ (7)
+def _scale_precision_by(victim: str, rnd: str, factor: float):
+    """``victim``'s Delta in round ``rnd`` adds ``factor`` times the received posterior's eta2 (nothing to eta1)."""
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type != "train" or reply.has_error() or request.metadata.group_id != rnd:
+            return [reply]
+        if str(reply.content[P.CONFIG].get("client-id")) == victim:
+            post, d = record_arrays(request, P.POSTERIOR), record_arrays(reply, P.DELTA)
+            set_record_arrays(reply.content, P.DELTA, {"eta1": 0 * d["eta1"], "eta2": factor * post["eta2"]})
+        return [reply]
+
+    return hook
+
+
+@pytest.mark.parametrize("w, factor, charged", [(0.5, -1.5, False), (2.0, -0.6, True)])
+def test_a_weighted_kl_server_checks_each_delta_as_its_step_applies_it(w, factor, charged):
+    # the server step is prior * (G Delta)^w = posterior * Delta^w: with w = 0.5 a Delta that takes 1.5x the
+    # posterior's precision away leaves 0.25 of it (valid: the old check of posterior * Delta, -0.5, charged it); with
+    # w = 2 one that takes 0.6x leaves -0.2 (improper on its own: charged, as a KL server does; the check of
+    # posterior * Delta, 0.4, let it into the batch, where the honest Deltas hid it)
+    raw, cfg, nodes = _setup({"num-server-rounds": 2, "max-bad-replies": 1, "server-divergence": "weighted_kl",
+                              "server-divergence-w": w})
+    strategy, grid = _run(raw, cfg, nodes, reply_hook=_scale_precision_by("site-0", "2", factor))
+    assert strategy.state.check_invariant() < 1e-10
+    if charged:
+        assert strategy.bad_replies == {"site-0": 1}
+        assert [(r["round"], r["client-id"]) for r in strategy.rejections] == [(2, "site-0")]
+        assert strategy.ledger_versions == {"site-0": 1, "site-1": 2, "site-2": 2}
+    else:
+        assert strategy.bad_replies == {} and strategy.rejections == []
+        assert strategy.ledger_versions == {"site-0": 2, "site-1": 2, "site-2": 2}
