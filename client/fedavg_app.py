@@ -30,6 +30,10 @@ def _shard(cfg: RunConfig, partition_id: int) -> ArraysSplit:
 def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit, DeterministicMLP]:
     cfg = parse_run_config(dict(context.run_config))
     nc = context.node_config
+    # as the PGVI client (client/node_request.py): a federation of the wrong size would silently drop partitions
+    if "num-partitions" in nc and int(nc["num-partitions"]) != cfg.num_clients:
+        raise ValueError(f"node config num-partitions={nc['num-partitions']} disagrees with run config "
+                         f"num-clients={cfg.num_clients}")
     partition_id = int(nc.get("partition-id", 0))
     configure_threads(int(nc.get("torch-threads", cfg.torch_threads or 1)))
     shard = _shard(cfg, partition_id)

@@ -8,6 +8,8 @@ before round 1 — never a traceback in round 7.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -26,12 +28,25 @@ LOSS_NAMES = ("nll", "gce", "beta", "gamma", "score_matching")
 DIVERGENCE_NAMES = ("kl", "weighted_kl", "reverse_kl", "alpha_renyi", "fisher_rao")
 MODEL_NAMES = ("gaussian_location", "linear_regression", "logistic_regression", "bnn")
 SYNTHETIC_DATASETS = ("synthetic_gaussian_location", "synthetic_linear_regression", "synthetic_logistic_2d")
+REGRESSION_MODELS = ("gaussian_location", "linear_regression")
+REGRESSION_DATASETS = ("synthetic_gaussian_location", "synthetic_linear_regression")
+LABEL_PARTITIONERS = ("label_skew", "dirichlet")  # the partitioners that split by class
+# The tightest consumer of the seed is numpy's legacy RandomState (the iid partition and the stratified train/test
+# split), which takes [0, 2**32 - 1] and is given the seed itself; every offset the code adds to the seed
+# (+1, +4242, x 100_003 + ..., + 0x5EED0BEC + 7919 x round) goes to default_rng / torch, which take far more.
+SEED_MAX = 2**32 - 1
+# (smallest normal, largest finite) of each dtype, as numpy's finfo(...).tiny / .max
+_FLOAT_RANGE = {"float32": (2.0**-126, (2.0 - 2.0**-23) * 2.0**127),
+                "float64": (sys.float_info.min, sys.float_info.max)}
 
 
 class RunConfig(BaseModel):
     """Every knob of a PGVI run.  Field ``foo_bar`` is run-config key ``foo-bar``."""
 
-    model_config = ConfigDict(alias_generator=_hyphen, populate_by_name=True, extra="forbid", frozen=True)
+    # allow_inf_nan=False: no key takes inf or NaN (a float written as `inf`/`nan` in TOML or `-c` is one clear
+    # error here, not an improper prior or a raw ValueError of a hyperparameter in round 1)
+    model_config = ConfigDict(alias_generator=_hyphen, populate_by_name=True, extra="forbid", frozen=True,
+                              allow_inf_nan=False)
 
     # ---- problem -------------------------------------------------------------------------------
     model: Literal["gaussian_location", "linear_regression", "logistic_regression", "bnn"] = "logistic_regression"
@@ -39,14 +54,14 @@ class RunConfig(BaseModel):
     family: Literal["mean_field", "full_covariance"] = "mean_field"
     dtype: Literal["float32", "float64"] = "float64"
     prior_mean: float = 0.0
-    prior_variance: float = Field(1.0, gt=0)
+    prior_variance: float = Field(1.0, gt=0, description="v and the precision 1/v must be normal floats of dtype")
     dataset: str = "breast_cancer"
     data_dir: str = ""
     download: bool = False
     test_fraction: float = Field(0.2, gt=0, lt=1)
     num_clients: int = Field(3, ge=1, description="M: number of data partitions / clients in the federation")
     partitioner: Literal["iid", "label_skew", "dirichlet", "size_skew"] = "iid"
-    dirichlet_alpha: float = Field(0.5, gt=0)
+    dirichlet_alpha: float = Field(0.5, gt=0, description="finite; small = few classes per client")
     classes_per_client: int = Field(2, ge=1)
     label_noise: float = Field(0.0, ge=0, lt=1)
     label_noise_kind: Literal["random", "class_map"] = "random"
@@ -105,7 +120,7 @@ class RunConfig(BaseModel):
     init: Literal["posterior", "cavity"] = "posterior"
     local_reparam: bool = True
     conjugate: bool = Field(True, description="use the closed-form client update where it exists")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="in [0, 2**32 - 1], the range of numpy's RandomState")
     torch_threads: int = Field(0, ge=0, description="0 = leave torch's default")
 
     # ---- evaluation / output -------------------------------------------------------------------
@@ -163,6 +178,14 @@ class RunConfig(BaseModel):
             raise ValueError(f"must be comma-separated positive integers, got '{v}'")
         return v
 
+    @field_validator("damping", mode="before")
+    @classmethod
+    def _damping_finite(cls, v: object) -> object:
+        # before the union: a non-finite float would otherwise fail both of its branches ("damping.float: ...")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v}")
+        return v
+
     @field_validator("damping")
     @classmethod
     def _damping_range(cls, v: float | str) -> float | str:
@@ -203,12 +226,17 @@ class RunConfig(BaseModel):
             errors.append(
                 f"min-clients: {self.min_clients} is more than the {self.num_clients} clients of the federation (num-clients)"
             )
-        regression = ("synthetic_gaussian_location", "synthetic_linear_regression")
-        if self.model in ("gaussian_location", "linear_regression") and self.dataset not in regression:
+        regression = REGRESSION_DATASETS
+        if self.model in REGRESSION_MODELS and self.dataset not in regression:
             errors.append(f"dataset: model '{self.model}' needs real-valued targets ({' or '.join(regression)}); "
                           f"'{self.dataset}' is a classification dataset")
         if self.model in ("logistic_regression", "bnn") and self.dataset in regression:
             errors.append(f"dataset: model '{self.model}' is a classifier; '{self.dataset}' has real-valued targets")
+        if self.model in REGRESSION_MODELS or self.dataset in regression:
+            if self.partitioner in LABEL_PARTITIONERS:
+                errors.append(f"partitioner: '{self.partitioner}' splits by class; '{self.dataset}' has real-valued "
+                              "targets (use 'iid' or 'size_skew')")
+        errors.extend(self._prior_errors())
         if self.family == "full_covariance" and self.model == "bnn":
             errors.append("family: a BNN needs family 'mean_field'")
         if self.schedule != "synchronous":
@@ -227,6 +255,30 @@ class RunConfig(BaseModel):
         if errors:
             raise ValueError("; ".join(errors))
         return self
+
+    def ignored_label_noise(self) -> str | None:
+        """Why ``label-noise`` does nothing in this run (real-valued targets have no class labels to flip), or
+        ``None``.  Not an error: the app's default (0.2, for the embedded classification job) would otherwise
+        have to be overridden by every regression run; the server logs it before round 1 instead."""
+        if self.label_noise > 0 and (self.model in REGRESSION_MODELS or self.dataset in REGRESSION_DATASETS):
+            return (f"label-noise = {self.label_noise} flips class labels; '{self.dataset}' has real-valued targets, "
+                    "so no contamination is applied")
+        return None
+
+    def _prior_errors(self) -> list[str]:
+        """The prior's variance v and precision 1/v must be normal numbers of the run's dtype (else the prior is
+        improper: 0 or inf after the cast), and its mean must fit in it."""
+        tiny, big = _FLOAT_RANGE[self.dtype]
+        errors = []
+        if not tiny <= self.prior_variance <= 1.0 / tiny:
+            errors.append(f"prior-variance: with dtype {self.dtype} the variance and its inverse must be normal "
+                          f"floats, i.e. within [{tiny:.4g}, {1.0 / tiny:.4g}], got {self.prior_variance:g}")
+        if not abs(self.prior_mean) <= big:
+            errors.append(f"prior-mean: must fit in dtype {self.dtype} (|mean| <= {big:.4g}), got {self.prior_mean:g}")
+        elif not errors and not abs(self.prior_mean) / self.prior_variance <= big:  # the natural parameter m / v
+            errors.append(f"prior-mean: prior-mean / prior-variance = {self.prior_mean:g} / {self.prior_variance:g} "
+                          f"overflows dtype {self.dtype} (the prior's natural parameter)")
+        return errors
 
     # ---- derived -------------------------------------------------------------------------------
     @property

@@ -1,7 +1,9 @@
 """Build a PGVI problem (data shard, model, prior, loss, divergences, optimiser settings) from a RunConfig.
 
 The server, every client and the in-process runner call the same builder, so a run's pieces agree by
-construction: the same seed gives every client the same partition of the same contaminated training set.
+construction: the same seed gives every client the same partition of the same contaminated training set.  The
+partition is drawn from the clean labels (the label noise does not move points between clients); each client then
+holds the contaminated labels of its points.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from common.config import SYNTHETIC_DATASETS, RunConfig
+from common.config import SYNTHETIC_DATASETS, ConfigError, RunConfig
 from common.divergences import Divergence, make_divergence
 from common.factors import ServerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
@@ -21,6 +23,8 @@ from common.losses import Loss, make_loss, weighted
 from common.models import LikelihoodModel, make_model
 from common.server_gvi import make_server_step
 
+DIRICHLET_MIN_SIZE = 10  # partitioner dirichlet: every client gets at least this many training points
+DIRICHLET_MAX_RETRIES = 1000  # ... in at most this many draws
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,11 @@ def _full_dataset(cfg: RunConfig) -> ArraysSplit:
     return ArraysSplit(ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.num_classes)
 
 
+def load_clean_data(cfg: RunConfig) -> ArraysSplit:
+    """The whole dataset with its clean training labels (what the partition is drawn from)."""
+    return _full_dataset(cfg)
+
+
 def load_full_data(cfg: RunConfig) -> ArraysSplit:
     """The whole dataset, training labels contaminated as configured (the test set stays clean)."""
     data = _full_dataset(cfg)
@@ -82,25 +91,77 @@ def load_full_data(cfg: RunConfig) -> ArraysSplit:
     return data
 
 
+def _partitioner_kwargs(cfg: RunConfig) -> dict:
+    """The keyword arguments of the configured partitioner (only those it takes)."""
+    if cfg.partitioner == "dirichlet":
+        return {"alpha": cfg.dirichlet_alpha, "min_size": DIRICHLET_MIN_SIZE, "max_retries": DIRICHLET_MAX_RETRIES}
+    if cfg.partitioner == "label_skew":
+        return {"classes_per_partition": cfg.classes_per_client}
+    return {}  # iid, size_skew
+
+
+def _partition_error(cfg: RunConfig, labels: np.ndarray, err: ValueError) -> ConfigError:
+    """The partitioner's ValueError in the run config's terms (its keys, not the partitioner's argument names)."""
+    n, m, ds = int(labels.shape[0]), cfg.num_clients, cfg.dataset
+    c = int(np.unique(labels).size)
+    if m > n:
+        msg = f"num-clients: {m} clients but '{ds}' has only {n} training points (every client needs one)"
+    elif cfg.partitioner == "label_skew":
+        k = cfg.classes_per_client
+        if k > c:
+            msg = f"classes-per-client: {k} is more than the {c} classes of '{ds}' (partitioner label_skew)"
+        elif m * k < c:
+            msg = (f"partitioner: label_skew with num-clients x classes-per-client = {m} x {k} = {m * k} leaves some "
+                   f"of the {c} classes of '{ds}' unused; raise num-clients or classes-per-client")
+        else:
+            msg = (f"partitioner: label_skew with num-clients={m}, classes-per-client={k}: a class of '{ds}' has "
+                   "fewer training points than clients holding it; lower num-clients or classes-per-client")
+    elif cfg.partitioner == "dirichlet":
+        if m * DIRICHLET_MIN_SIZE > n:
+            msg = (f"num-clients: partitioner dirichlet gives every client at least {DIRICHLET_MIN_SIZE} training "
+                   f"points; {m} clients need {m * DIRICHLET_MIN_SIZE}, '{ds}' has {n}")
+        else:
+            msg = (f"dirichlet-alpha: no Dirichlet({cfg.dirichlet_alpha:g}) draw in {DIRICHLET_MAX_RETRIES} attempts "
+                   f"gave each of the num-clients={m} clients at least {DIRICHLET_MIN_SIZE} of the {n} training points "
+                   f"of '{ds}'; raise dirichlet-alpha or lower num-clients (partitioner dirichlet)")
+    else:
+        msg = f"partitioner/num-clients: '{cfg.partitioner}' cannot split '{ds}' into {m} clients: {err}"
+    return ConfigError(f"invalid run config: {msg}")
+
+
+@lru_cache(maxsize=4)
+def train_partition(cfg: RunConfig) -> tuple[np.ndarray, ...]:
+    """Every client's (sorted, read-only) indices into the training set.
+
+    Drawn from the *clean* labels, so the label noise does not change which points a client holds (a label-based
+    partition of the contaminated labels would move the flipped points); regression targets are partitioned as
+    if all of one class (``iid`` and ``size_skew`` ignore the labels; the config rejects the label-based ones).
+    An infeasible partition raises :class:`ConfigError` naming the run-config keys: the server runs this in
+    ``prepare``, before round 1.
+    """
+    from common.data.partition import partition
+
+    data = _full_dataset(cfg)
+    if data.num_classes > 1:
+        labels = data.y_train
+    else:
+        labels = np.zeros(len(data.y_train), dtype=np.int64)
+    try:
+        parts = partition(cfg.partitioner, labels, cfg.num_clients, seed=cfg.seed, **_partitioner_kwargs(cfg))
+    except ValueError as err:
+        raise _partition_error(cfg, labels, err) from None
+    for p in parts:
+        p.setflags(write=False)
+    return tuple(parts)
+
+
 def client_shard(cfg: RunConfig, partition_id: int) -> ArraysSplit:
     """Client ``partition_id``'s share of the (contaminated) training set and of the test set."""
     if not 0 <= partition_id < cfg.num_clients:
         raise ValueError(f"partition-id {partition_id} is outside [0, num-clients={cfg.num_clients})")
     data = load_full_data(cfg)
-    from common.data.partition import partition
-
-    kw: dict = {}
-    if cfg.partitioner == "dirichlet":
-        kw["alpha"] = cfg.dirichlet_alpha
-    elif cfg.partitioner == "label_skew":
-        kw["classes_per_partition"] = cfg.classes_per_client
-    if data.num_classes > 1:
-        labels = data.y_train
-    else:  # regression: partition uniformly
-        labels = np.zeros(len(data.y_train), dtype=np.int64)
+    train_idx = train_partition(cfg)[partition_id]  # of the clean labels; the shard gets the contaminated ones
     test_labels = data.y_test
-    name = cfg.partitioner if data.num_classes > 1 else "iid"
-    train_idx = partition(name, labels, cfg.num_clients, seed=cfg.seed, **kw)[partition_id]
     # the local test split is a random 1/M of the test set (may be empty when M exceeds its size)
     perm = np.random.default_rng(cfg.seed + 1).permutation(len(test_labels))
     test_idx = np.sort(np.array_split(perm, cfg.num_clients)[partition_id])

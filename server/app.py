@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
@@ -13,7 +13,7 @@ from flwr.supercore import log
 from client import object_pulls
 from common.config import ConfigError, RunConfig, parse_run_config
 from common.evaluation import evaluate_posterior
-from common.problem import Problem, build_problem, load_full_data
+from common.problem import Problem, build_problem, load_clean_data, load_full_data, train_partition
 from common.runtime import configure_threads, flush_denormals_from_environment, subnormals_flushed
 from strategies.pgvi import PGVIStrategy
 from strategies.results import RoundRecorder
@@ -23,13 +23,23 @@ app = ServerApp()
 
 def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
     """Everything that can fail on configuration, done before round 1 (raises ConfigError)."""
-    cfg = parse_run_config(run_config)
+    cfg = parse_run_config(run_config)  # also the seed's range, so the stages below cannot fail on it
+    # each stage's failure is attributed to the keys that stage reads
     try:
-        data = load_full_data(cfg)
+        load_clean_data(cfg)
     except FileNotFoundError as err:
         raise ConfigError(f"invalid run config: dataset/data-dir: {err}") from None
-    except ValueError as err:  # e.g. a test-fraction that leaves too few points for the split
-        raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
+    except ValueError as err:
+        if "test_fraction" in str(err):  # the train/test split: a test-fraction that leaves too few points
+            raise ConfigError(f"invalid run config: dataset/test-fraction: {err}") from None
+        raise ConfigError(f"invalid run config: dataset/data-dir: {err}") from None  # a malformed data file
+    try:
+        data = load_full_data(cfg)
+    except ValueError as err:
+        raise ConfigError(f"invalid run config: label-noise/label-noise-kind: {err}") from None
+    train_partition(cfg)  # an infeasible partition: ConfigError naming partitioner/num-clients/... (cached for clients)
+    if (why := cfg.ignored_label_noise()) is not None:
+        log(WARNING, "run config: %s", why)
     if cfg.torch_threads:
         configure_threads(cfg.torch_threads)
     try:  # a bad PGVI_FLUSH_DENORMALS fails here, before round 1

@@ -20,6 +20,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
+from common.atomic_io import atomic_write
 from common.config import RunConfig
 from common.deterministic_mlp import DeterministicMLP, predict_log_probs
 from common.metrics import classification_metrics_from_log_probs
@@ -82,10 +83,12 @@ def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Pat
                             num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
                             train_config=ConfigRecord({}), evaluate_fn=evaluate)
     final = {k: v.numpy() for k, v in result.arrays.to_torch_state_dict().items()}
-    np.savez(out / "model.npz", **final)
+    # each result file atomically, summary.json last (its presence means the others are complete)
+    atomic_write(out / "model.npz", lambda f: np.savez(f, **final), mode=0o644)
     recorder.write_csv()
     summary = {"method": "fedavg", "wall-seconds": time.time() - t0, "final": history[-1] if history else {},
                "train-metrics": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()}}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    text = json.dumps(summary, indent=2, default=str).encode()
+    atomic_write(out / "summary.json", lambda f: f.write(text), mode=0o644)
     log(INFO, "FedAvg records written to %s", out)
     return history

@@ -220,8 +220,10 @@ def _pool_client_metrics(totals: dict[str, float], n_total: float, bins: dict[st
                          all_binned: bool) -> dict[str, float]:
     """Metrics of all clients' test points together: means over points are example-weighted means; the RMSE
     is the root of the pooled mean square; the ECE comes from the summed per-bin sums when every client sent
-    them (the example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean."""
-    out = {f"client-{k}": v / n_total for k, v in totals.items()}
+    them (the example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean.
+    Counts (``num_points`` of common.metrics) are not means: weighted by n they gave sum(n^2)/sum(n); the pooled
+    count is ``client-num-examples``."""
+    out = {f"client-{k}": v / n_total for k, v in totals.items() if k not in ("num_points", "num-points")}
     if "client-rmse" in out:
         out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
     if "ece" in totals and all_binned and bins:

@@ -30,14 +30,26 @@ _TABLE_COLUMNS = [
 ]
 
 
+# The result files a finished run leaves (PGVI: ``finish``; FedAvg: strategies/fedavg_baseline.py; ``rescored.json``:
+# scripts/experiments.py, from the final model).  ``summary.json`` first: its presence means the others are complete.
+# The checkpoint (strategies/checkpoint.py) is not one of them: a run may resume from its own directory.
+RESULT_FILES = ("summary.json", "metrics.csv", "posterior.npz", "sites.npz", "model.npz", "rescored.json")
+
+
 class RoundRecorder:
-    """Appends one row per round; ``finish`` saves the final posterior, the ledger and the rejections."""
+    """Appends one row per round; ``finish`` saves the final posterior, the ledger and the rejections.
+
+    A reused output directory is cleared of the previous run's :data:`RESULT_FILES` first, so an unfinished run
+    never leaves its ``run_config.json`` / ``metrics.jsonl`` beside another run's ``summary.json``."""
 
     def __init__(self, out_dir: str | Path, run_config: dict) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        for name in RESULT_FILES:
+            (self.out_dir / name).unlink(missing_ok=True)
         self.rows: list[dict[str, float]] = []
-        (self.out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
+        text = json.dumps(run_config, indent=2, sort_keys=True).encode()
+        atomic_write(self.out_dir / "run_config.json", lambda f: f.write(text), mode=0o644)
         self._jsonl = self.out_dir / "metrics.jsonl"
         self._jsonl.write_text("")
         self._columns_shown: list[tuple[str, str, str]] = []

@@ -1,0 +1,326 @@
+"""Regression tests of the config/data/records review (review 25b): every infeasible or non-finite run config is one
+ConfigError naming the run-config key before round 1; regression runs partition as configured; label noise does
+not change the partition; a reused output directory never mixes two runs' result files; result files are written
+atomically; the client metrics do not pool counts; the FedAvg client checks its node's num-partitions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Context, MetricRecord, RecordDict
+
+from common import protocol as P
+from common.config import ConfigError, parse_run_config
+from common.data.partition import partition
+from common.problem import _full_dataset, build_problem, client_shard, load_full_data
+from server.app import prepare
+from tests.test_server_app import app_config
+
+INF, NAN = float("inf"), float("nan")
+REGRESSION = [("linear_regression", "synthetic_linear_regression"),
+              ("gaussian_location", "synthetic_gaussian_location")]
+
+
+def _config_error(raw: dict, via_prepare: bool = False) -> str:
+    with pytest.raises(ConfigError) as info:
+        prepare(raw) if via_prepare else parse_run_config(raw)
+    msg = str(info.value)
+    assert msg.startswith("invalid run config: ") and "\n" not in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. regression datasets: the configured partitioner, and no label-based options
+
+
+@pytest.mark.parametrize("model,dataset", REGRESSION)
+def test_regression_keeps_size_skew(model, dataset):
+    """size_skew ignores the labels: a regression run gets the skewed sizes, not the iid split (it did)."""
+    cfg = parse_run_config({"model": model, "dataset": dataset, "num-clients": 5, "partitioner": "size_skew"})
+    sizes = [len(client_shard(cfg, m).y_train) for m in range(5)]
+    n = len(load_full_data(cfg).y_train)
+    expected = [len(p) for p in partition("size_skew", np.zeros(n, np.int64), 5, seed=cfg.seed)]
+    assert sizes == expected and len(set(sizes)) > 1, sizes
+
+
+@pytest.mark.parametrize("model,dataset", REGRESSION)
+@pytest.mark.parametrize("partitioner", ["label_skew", "dirichlet"])
+def test_regression_rejects_label_based_partitioners(model, dataset, partitioner):
+    """These crashed every client with ``TypeError: iid() got an unexpected keyword argument``."""
+    msg = _config_error({"model": model, "dataset": dataset, "num-clients": 5, "partitioner": partitioner})
+    assert "partitioner" in msg and partitioner in msg and "real-valued" in msg
+
+
+@pytest.mark.parametrize("model,dataset", REGRESSION)
+def test_regression_says_that_label_noise_is_not_applied(model, dataset, caplog):
+    """Label noise was silently ignored for real-valued targets: the server now says so before round 1 (not an
+    error: the app's default label-noise is for its classification job)."""
+    cfg = parse_run_config({"model": model, "dataset": dataset, "label-noise": 0.3})
+    assert "label-noise = 0.3" in (cfg.ignored_label_noise() or "")
+    assert parse_run_config({"model": model, "dataset": dataset, "label-noise": 0.0}).ignored_label_noise() is None
+    assert parse_run_config({"label-noise": 0.3}).ignored_label_noise() is None  # digits: applied
+    from flwr.common.logger import FLOWER_LOGGER
+
+    FLOWER_LOGGER.addHandler(caplog.handler)
+    try:
+        prepare({**app_config(), "model": model, "dataset": dataset, "family": "mean_field", "label-noise": 0.3})
+    finally:
+        FLOWER_LOGGER.removeHandler(caplog.handler)
+    assert any("no contamination is applied" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. partition feasibility before round 1
+
+
+@pytest.mark.parametrize(
+    "override,keys",
+    [
+        # the app's defaults (digits, 3 clients, 2 classes each): 3 x 2 < 10 classes
+        ({"partitioner": "label_skew"}, ["partitioner", "num-clients", "classes-per-client"]),
+        ({"dataset": "breast_cancer", "model": "logistic_regression", "partitioner": "label_skew",
+          "classes-per-client": 3}, ["classes-per-client"]),
+        ({"dataset": "breast_cancer", "model": "logistic_regression", "num-clients": 500, "min-clients": 2},
+         ["num-clients"]),
+        ({"dataset": "synthetic_logistic_2d", "model": "logistic_regression", "num-clients": 1000, "min-clients": 2},
+         ["num-clients"]),
+        ({"dataset": "breast_cancer", "model": "logistic_regression", "partitioner": "dirichlet", "num-clients": 50,
+          "min-clients": 2}, ["partitioner", "num-clients"]),
+        ({"dataset": "digits", "partitioner": "dirichlet", "dirichlet-alpha": 1e-3, "num-clients": 20,
+          "min-clients": 2}, ["dirichlet-alpha", "num-clients"]),
+    ],
+)
+def test_infeasible_partition_is_a_config_error_before_round_1(override, keys):
+    msg = _config_error({**app_config(), **override}, via_prepare=True)
+    for key in keys:
+        assert key in msg, (key, msg)
+    for internal in ("classes_per_partition", "min_size", "num_partitions", "max_retries"):
+        assert internal not in msg, msg
+
+
+def test_dirichlet_alpha_must_be_finite():
+    assert "dirichlet-alpha" in _config_error({"partitioner": "dirichlet", "dirichlet-alpha": INF})
+
+
+def test_feasible_partitions_still_prepare():
+    cfg, _ = prepare({**app_config(), "partitioner": "label_skew", "num-clients": 5, "min-clients": 2})
+    assert sum(len(client_shard(cfg, m).y_train) for m in range(5)) == len(load_full_data(cfg).y_train)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. non-finite floats, the prior, the seed, and errors attributed to the right key
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ({"prior-mean": NAN}, "prior-mean"),
+        ({"prior-mean": INF}, "prior-mean"),
+        ({"prior-variance": INF}, "prior-variance"),
+        ({"lr": INF}, "lr"),
+        ({"lr-scale": INF}, "lr-scale"),
+        ({"loss": "beta", "loss-beta": INF}, "loss-beta"),
+        ({"loss": "gamma", "loss-gamma": INF}, "loss-gamma"),
+        ({"divergence": "alpha_renyi", "divergence-alpha": INF}, "divergence-alpha"),
+        ({"server-divergence": "alpha_renyi", "server-divergence-alpha": INF}, "server-divergence-alpha"),
+        ({"divergence": "weighted_kl", "divergence-w": INF}, "divergence-w"),
+        ({"server-divergence": "weighted_kl", "server-divergence-w": INF}, "server-divergence-w"),
+        ({"aggregator": "norm_clip", "aggregator-clip-norm": INF}, "aggregator-clip-norm"),
+        ({"aggregator": "norm_clip", "aggregator-clip-multiplier": INF}, "aggregator-clip-multiplier"),
+        ({"fedavg-lr": INF}, "fedavg-lr"),
+        ({"sm-c": INF}, "sm-c"),
+        ({"likelihood-sigma": INF}, "likelihood-sigma"),
+        ({"round-timeout-s": INF}, "round-timeout-s"),
+        ({"wait-for-clients-s": INF}, "wait-for-clients-s"),
+        ({"damping": INF}, "damping"),
+        ({"damping": NAN}, "damping"),
+    ],
+)
+def test_non_finite_floats_are_rejected_naming_the_key(override, key):
+    msg = _config_error({"dataset": "breast_cancer", **override})
+    assert f"{key}:" in msg and ("finite" in msg or key == "damping"), msg
+    assert msg.count(":") == 2, msg  # one error, not one per branch of a union ("damping.float: ...")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [{"prior-variance": 1e-320}, {"prior-variance": 1e-320, "dtype": "float32"},
+     {"prior-variance": 1e-39, "dtype": "float32"}, {"prior-variance": 1e39, "dtype": "float32"},
+     {"prior-mean": 1e39, "dtype": "float32"}, {"prior-mean": 1e30, "prior-variance": 1e-30, "dtype": "float32"},
+     {"prior-mean": 1e300, "prior-variance": 1e-300}],
+)
+def test_prior_outside_the_dtype_is_rejected(override):
+    """These passed validation and died with 'prior is improper' (or a raw RuntimeError) naming no key."""
+    msg = _config_error({"dataset": "breast_cancer", **override})
+    assert ("prior-mean" if "prior-mean" in override else "prior-variance") in msg, msg
+
+
+@pytest.mark.parametrize("dtype,variance", [("float32", 1e-37), ("float32", 1e37), ("float64", 1e-300)])
+def test_extreme_but_representable_prior_builds_a_proper_prior(dtype, variance):
+    cfg = parse_run_config({"dataset": "breast_cancer", "dtype": dtype, "prior-variance": variance})
+    assert build_problem(cfg).prior.is_proper()
+
+
+@pytest.mark.parametrize("seed", [-1, -5000, 2**32, 2**63])
+def test_seed_out_of_range_names_the_seed(seed):
+    """seed=-1 was reported as 'dataset/test-fraction', or passed prepare and failed in every client."""
+    for raw in ({"dataset": "breast_cancer", "seed": seed}, {**app_config(), "seed": seed}):
+        msg = _config_error(raw, via_prepare=True)
+        assert "seed:" in msg and "test-fraction" not in msg, msg
+
+
+@pytest.mark.parametrize("extra", [{"dataset": "breast_cancer", "model": "logistic_regression", "label-noise": 0.1},
+                                   {"dataset": "digits", "partitioner": "dirichlet"},
+                                   {"dataset": "synthetic_logistic_2d", "model": "logistic_regression"}])
+def test_largest_seed_is_accepted_by_every_consumer(extra):
+    cfg, problem = prepare({**app_config(), "seed": 2**32 - 1, "num-clients": 3, "min-clients": 2, **extra})
+    shard = client_shard(cfg, 2)
+    assert len(shard.y_train) > 0 and problem.prior.is_proper()
+
+
+def test_prepare_attributes_a_contamination_failure_to_label_noise(monkeypatch):
+    """Every ValueError of the data stage was reported as 'dataset/test-fraction'."""
+    import common.data.contamination as contamination
+
+    def broken(*args, **kwargs):
+        raise ValueError("flip failed")
+
+    monkeypatch.setattr(contamination, "random_flip", broken)
+    msg = _config_error({**app_config(), "seed": 11, "label-noise": 0.25}, via_prepare=True)
+    assert "label-noise" in msg and "flip failed" in msg and "test-fraction" not in msg, msg
+
+
+def test_prepare_still_attributes_a_bad_split_to_test_fraction():
+    msg = _config_error({**app_config(), "test-fraction": 0.9995}, via_prepare=True)
+    assert "test-fraction" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. the partition does not depend on the label noise
+
+
+@pytest.mark.parametrize("extra", [{"partitioner": "label_skew", "classes-per-client": 2},
+                                   {"partitioner": "dirichlet", "dirichlet-alpha": 0.3}])
+@pytest.mark.parametrize("kind", ["random", "class_map"])
+def test_label_noise_does_not_change_the_partition(extra, kind):
+    base = {"dataset": "digits", "num-clients": 5, "min-clients": 2, "label-noise-kind": kind, **extra}
+    clean_cfg = parse_run_config({**base, "label-noise": 0.0})
+    noisy_cfg = parse_run_config({**base, "label-noise": 0.3})
+    clean = [client_shard(clean_cfg, m) for m in range(5)]
+    noisy = [client_shard(noisy_cfg, m) for m in range(5)]
+    for c, z in zip(clean, noisy):
+        np.testing.assert_array_equal(c.x_train, z.x_train)  # the same points (indices are sorted)
+        np.testing.assert_array_equal(c.x_test, z.x_test)
+        np.testing.assert_array_equal(c.y_test, z.y_test)
+    # each client's labels are the contaminated labels of its points: the union has exactly the configured rate
+    n = len(_full_dataset(clean_cfg).y_train)
+    flipped = sum(int(np.sum(c.y_train != z.y_train)) for c, z in zip(clean, noisy))
+    assert flipped == int(np.round(0.3 * n))
+    full = load_full_data(noisy_cfg)  # the server's view agrees with the union of the clients' shards
+    assert sorted(np.concatenate([z.y_train for z in noisy]).tolist()) == sorted(full.y_train.tolist())
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5./6. result files: a reused directory, atomic writes
+
+
+RESULT_FILES = ["summary.json", "metrics.csv", "posterior.npz", "sites.npz", "model.npz", "rescored.json"]
+
+
+def test_recorder_removes_a_previous_runs_result_files(tmp_path):
+    from strategies.results import RoundRecorder
+
+    for name in [*RESULT_FILES, "checkpoint.npz", "notes.txt"]:
+        (tmp_path / name).write_text("old run")
+    RoundRecorder(tmp_path, {"seed": 2})
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["checkpoint.npz", "metrics.jsonl", "notes.txt", "run_config.json"], left
+    assert json.loads((tmp_path / "run_config.json").read_text()) == {"seed": 2}
+
+
+def _record_atomic_writes(monkeypatch) -> list[str]:
+    import common.atomic_io as atomic_io
+    import strategies.fedavg_baseline as fedavg_baseline
+    import strategies.results as results
+
+    written: list[str] = []
+    real = atomic_io.atomic_write
+
+    def recording(path, write, mode=0o600):
+        written.append(str(getattr(path, "name", path)))
+        return real(path, write, mode)
+
+    for module in (results, fedavg_baseline):
+        monkeypatch.setattr(module, "atomic_write", recording, raising=False)
+    return written
+
+
+def test_run_config_is_written_atomically(tmp_path, monkeypatch):
+    from strategies.results import RoundRecorder
+
+    written = _record_atomic_writes(monkeypatch)
+    RoundRecorder(tmp_path, {"seed": 1})
+    assert "run_config.json" in written
+    assert (tmp_path / "run_config.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_fedavg_result_files_are_written_atomically(tmp_path, monkeypatch):
+    from client.fedavg_app import app as fedavg_client_app
+    from strategies.fedavg_baseline import run_fedavg
+    from strategies.inprocess import InProcessGrid
+    from tests.test_fedavg_baseline import RAW
+
+    written = _record_atomic_writes(monkeypatch)
+    cfg = parse_run_config(RAW)
+    (tmp_path / "posterior.npz").write_text("stale")
+    grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 2} for m in range(2)], RAW)
+    run_fedavg(grid, cfg, load_full_data(cfg), tmp_path)
+    assert {"model.npz", "summary.json", "metrics.csv", "run_config.json"} <= set(written), written
+    assert not (tmp_path / "posterior.npz").exists()
+    with np.load(tmp_path / "model.npz") as z:
+        assert z.files
+    assert json.loads((tmp_path / "summary.json").read_text())["method"] == "fedavg"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. client metrics: counts are not weighted by the counts
+
+
+class _EvalReply:
+    def __init__(self, metrics: dict, node: int) -> None:
+        self.content = {P.METRICS: MetricRecord(metrics)}
+        self.metadata = type("Meta", (), {"src_node_id": node})()
+
+    def has_error(self) -> bool:
+        return False
+
+
+def test_pooled_client_metrics_do_not_weight_num_points_by_n():
+    """``num_points`` (common.metrics) was pooled as sum(n^2)/sum(n): 38.0 for clients of 38 points each."""
+    from strategies.pgvi import PGVIStrategy
+
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    replies = [_EvalReply({"num-examples": float(n), "num_points": float(n), "accuracy": acc}, i)
+               for i, (n, acc) in enumerate([(30, 0.5), (84, 1.0)])]
+    out = dict(strategy.aggregate_evaluate(1, replies))
+    assert out["client-num-examples"] == 114.0
+    assert out["client-accuracy"] == pytest.approx((30 * 0.5 + 84) / 114)
+    assert out.get("client-num_points", 114.0) == 114.0, out
+    assert all(math.isfinite(v) for v in out.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8. the FedAvg client checks its node's num-partitions
+
+
+def test_fedavg_client_rejects_a_node_config_that_disagrees_with_num_clients():
+    from client import fedavg_app
+
+    raw = {**app_config(), "num-clients": 3}
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                  run_config=raw)
+    with pytest.raises(ValueError, match="num-partitions=2 disagrees with run config num-clients=3"):
+        fedavg_app._setup(None, ctx)  # type: ignore[arg-type]
