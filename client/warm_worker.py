@@ -30,13 +30,21 @@ config, default 3600 s) and raises :class:`WorkerTimeout` after that.
 
 Requests are served one at a time (a node has one message in flight).  A ClientApp that disappears
 mid-request (Flower stopped it) costs the computation, not the worker; a ClientApp that connects while the
-worker is still busy with such an abandoned request times out in the handshake.  If the worker cannot be
-reached, or times out, the ClientApp logs a warning and computes in its own process (``client/app.py``).
+worker is still busy with such an abandoned request times out in the handshake.  Nothing a peer sends stops
+the worker: a request it cannot unpickle (a FAB whose code differs from the worker's) gets an error reply.
+If the worker cannot be reached, times out, dies mid-request (crash, OOM kill, SIGTERM on a restart) or
+cannot read the request, the ClientApp gets a :class:`WorkerUnavailable`, logs a warning and computes in its
+own process (``client/app.py``).
+
+One worker per socket path: a worker refuses to start while another answers on the path (a socket file
+nobody listens on, left by a killed worker, is replaced), and a stopping worker removes the socket and key
+only if they are still its own, so it cannot take the path from under a successor.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import secrets
 import signal
@@ -47,6 +55,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.reduction import ForkingPickler  # what Connection.send/recv pickle with
 from pathlib import Path
 
 KEY_SUFFIX = ".key"
@@ -55,11 +64,29 @@ RESULT_TIMEOUT_S = 3600.0  # default of the node config key compute-worker-timeo
 
 
 class WorkerUnavailable(ConnectionError):
-    """The node's compute worker is not running, its key is missing or wrong, or it did not complete the handshake."""
+    """The node's compute worker is not running, its key is missing or wrong, or it did not complete the handshake.
+
+    The subclasses are the ways a worker that took the request can still fail to produce a result; the ClientApp
+    catches them all with this class and computes the message itself."""
 
 
 class WorkerTimeout(WorkerUnavailable):
     """The worker took the request but sent no result within the timeout: it is presumably hung."""
+
+
+class WorkerLost(WorkerUnavailable):
+    """The connection broke after the handshake, before the result arrived: the worker died mid-request
+    (crashed, was OOM-killed, or was stopped by a SIGTERM on a restart).  Its computation is lost; the
+    ClientApp state is not (the worker keeps none), so computing the message again is safe."""
+
+
+class WorkerIncompatible(WorkerUnavailable):
+    """The worker could not unpickle the request, or the ClientApp the worker's reply: the two run different
+    code (a FAB other than the one the worker was started from), so the ClientApp computes the message itself."""
+
+
+class WorkerAlreadyRunning(RuntimeError):
+    """Another worker answers on the socket path: two workers on one path would take it from each other."""
 
 
 class WorkerError(RuntimeError):
@@ -72,6 +99,10 @@ class WorkerError(RuntimeError):
 
 class SocketDirectoryError(RuntimeError):
     """The socket's directory exists and is not private to the worker's user."""
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__  # a bare EOFError has no message
 
 
 def key_path(socket_path: str | os.PathLike) -> Path:
@@ -156,8 +187,11 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
     """Send one request to the worker at ``socket_path`` and return its result (or raise what it raised).
 
     Raises :class:`WorkerUnavailable` if the worker cannot be reached or does not complete the handshake
-    within ``handshake_timeout`` (default :data:`HANDSHAKE_TIMEOUT_S`), and :class:`WorkerTimeout` if no
-    result arrives within ``timeout`` seconds of sending the request.
+    within ``handshake_timeout`` (default :data:`HANDSHAKE_TIMEOUT_S`), and its subclasses after the handshake:
+    :class:`WorkerTimeout` if no result arrives within ``timeout`` seconds of sending the request,
+    :class:`WorkerLost` if the connection breaks first (the worker died), :class:`WorkerIncompatible` if the
+    worker could not read the request or its reply cannot be read here.  A request that raised in the worker
+    raises :class:`WorkerError` (or the ``InjectedFault`` it was).
     """
     hs = HANDSHAKE_TIMEOUT_S if handshake_timeout is None else float(handshake_timeout)
     try:
@@ -191,13 +225,27 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
             if not conn.poll(max(0.0, deadline - time.monotonic())):
                 raise WorkerTimeout(f"compute worker at {socket_path} sent no result within {timeout:g} s "
                                     "(node config compute-worker-timeout-s)")
-            status, payload = conn.recv()
+            data = conn.recv_bytes()
+        except WorkerUnavailable:  # the WorkerTimeout above: a ConnectionError, i.e. an OSError
+            raise
         except BlockingIOError as err:  # SO_SNDTIMEO/SO_RCVTIMEO: the worker stopped reading or writing
             raise WorkerTimeout(f"compute worker at {socket_path} stalled for {timeout:g} s mid-transfer "
                                 "(node config compute-worker-timeout-s)") from err
+        except (EOFError, OSError) as err:  # EOF, ECONNRESET, EPIPE: the worker process is gone
+            raise WorkerLost(f"compute worker at {socket_path} closed the connection mid-request (it crashed, "
+                             f"was killed or was stopped): {_describe(err)}") from err
+    try:  # outside the I/O handlers: a reply we cannot read is the worker's other code, not a dead worker
+        status, payload = ForkingPickler.loads(data)
+        if status != "ok":
+            kind, message, trace = payload
+    except Exception as err:
+        raise WorkerIncompatible(f"compute worker at {socket_path} replied, but the ClientApp could not read the "
+                                 f"worker's reply ({_describe(err)}); does it run the FAB's code?") from err
     if status == "ok":
         return payload
-    kind, message, trace = payload
+    if status == "unreadable":
+        raise WorkerIncompatible(f"compute worker at {socket_path} could not read the request ({kind}: {message}); "
+                                 "does it run the FAB's code?")
     if kind == "InjectedFault":
         from client.node_request import InjectedFault
 
@@ -205,21 +253,45 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
     raise WorkerError(kind, message, trace)
 
 
+def _failure(err: BaseException) -> tuple[str, str, str]:
+    return type(err).__name__, str(err), traceback.format_exc()
+
+
 def _serve_one(conn: Connection, handle) -> None:
+    """Read one request, run it, send the reply.  Whatever the peer sends, this returns (``serve`` keeps going).
+
+    The bytes are read and unpickled separately: once a whole message is read the connection is still in
+    step, so a request the worker cannot unpickle (a FAB whose code differs from the worker's: a missing module
+    or class) gets an ``"unreadable"`` reply the ClientApp turns into :class:`WorkerIncompatible` and falls back
+    on.  A reply that cannot be pickled is reported as an ``"error"`` reply.
+    """
     try:
-        request = conn.recv()
+        data = conn.recv_bytes()
     except EOFError:
         return
     except OSError as err:  # BlockingIOError: no request within the I/O timeout after the handshake
         print(f"[warm-worker] no request received: {err!r}", file=sys.stderr, flush=True)
         return
     try:
-        reply = ("ok", handle(request))
-    except Exception as err:  # report every failure to the caller; the worker itself keeps serving
-        reply = ("error", (type(err).__name__, str(err), traceback.format_exc()))
+        request = ForkingPickler.loads(data)
+    except Exception as err:  # any exception: unpickling runs code (imports, __setstate__, reducers)
+        print(f"[warm-worker] could not read a request ({_describe(err)}); replied with the error, "
+              "still serving", file=sys.stderr, flush=True)
+        reply = ("unreadable", _failure(err))
+    else:
+        try:
+            reply = ("ok", handle(request))
+        except Exception as err:  # report every failure to the caller; the worker itself keeps serving
+            reply = ("error", _failure(err))
     try:
-        conn.send(reply)
-    except (BrokenPipeError, ConnectionResetError, OSError):
+        out = ForkingPickler.dumps(reply)
+    except Exception as err:  # the result holds something unpicklable: tell the caller, do not die of it
+        print(f"[warm-worker] could not pickle the {reply[0]} reply ({_describe(err)})",
+              file=sys.stderr, flush=True)
+        out = ForkingPickler.dumps(("error", _failure(err)))
+    try:
+        conn.send_bytes(out)
+    except OSError:  # BrokenPipeError, ConnectionResetError, or BlockingIOError: the peer stopped reading
         print(f"[warm-worker] the ClientApp left before its reply ({reply[0]})", file=sys.stderr, flush=True)
 
 
@@ -251,24 +323,78 @@ def check_socket_dir(socket_path: str | os.PathLike) -> Path:
     return parent
 
 
+def check_no_live_worker(socket_path: str | os.PathLike) -> bool:
+    """Raise :class:`WorkerAlreadyRunning` if a process accepts connections on ``socket_path``.
+
+    Returns whether a stale file is in the way: a socket nobody listens on (its worker was killed before its
+    cleanup), or anything else a connect is refused on.  A connection attempt, not the file, tells a live worker
+    from a stale one; the live worker sees a peer that leaves before the handshake and logs it.
+    """
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(socket_path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except ConnectionRefusedError:
+        return True
+    except (BlockingIOError, TimeoutError) as err:  # EAGAIN: a live worker whose backlog is full
+        raise WorkerAlreadyRunning(f"a compute worker is already listening on {socket_path} (busy: {err}); stop it "
+                                   "first, or give this worker a socket path of its own") from err
+    finally:
+        probe.close()
+    raise WorkerAlreadyRunning(f"a compute worker is already listening on {socket_path}; stop it first, or give "
+                               "this worker a socket path of its own")
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _remove_if_ours(path: Path, ours: tuple[int, int] | None, key: bytes | None = None) -> None:
+    """Unlink ``path`` if it is still the file this worker created (same device and inode, and for the key the
+    same content: an inode number freed by an unlinked key can be reused); a successor's socket or key is left
+    alone and the fact logged."""
+    if ours is None:  # never created (the bind or the key write failed)
+        return
+    now = _file_id(path)
+    if now is None:  # already gone
+        return
+    mine = now == ours
+    if mine and key is not None:
+        try:
+            mine = path.read_bytes() == key
+        except OSError:
+            mine = False
+    if not mine:
+        print(f"[warm-worker] {path} is not this worker's any more (another worker took the path?); left in place",
+              file=sys.stderr, flush=True)
+        return
+    path.unlink(missing_ok=True)
+
+
 def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
           handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> int:
     """Listen on ``socket_path`` until SIGTERM/SIGINT (or ``max_requests``); returns the requests served.
 
     A peer that does not complete the handshake within ``handshake_timeout`` seconds is dropped (and so is one
     that then sends no request, or stops reading its reply, for that long); the worker keeps serving.
+
+    Raises :class:`WorkerAlreadyRunning` if another worker answers on ``socket_path``.  The check runs before
+    the slow import (a quick refusal) and again just before the bind (a worker that started meanwhile); a
+    stale socket file is replaced.  On the way out the socket and key are removed only if they are still the
+    ones this worker created.
     """
     path = Path(socket_path)
     check_socket_dir(path)
+    check_no_live_worker(path)
     from client.pgvi_client import handle  # torch, common: loaded once, here
 
-    path.unlink(missing_ok=True)
-    key = secrets.token_bytes(32)
     kpath = key_path(path)
-    kpath.unlink(missing_ok=True)  # then O_EXCL|O_NOFOLLOW: a symlink planted here cannot redirect the write
-    fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
     stop = False
 
     def _stop(signum, frame):  # noqa: ARG001
@@ -280,9 +406,28 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     served = 0
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock_id = key_id = key = None
     try:
-        listener.bind(str(path))
+        if check_no_live_worker(path):  # a killed worker's socket and key
+            path.unlink(missing_ok=True)
+            print(f"[warm-worker] replacing the stale socket {path} (nobody listened on it)",
+                  file=sys.stderr, flush=True)
+        try:  # bind is atomic: a worker that bound the path since the check above makes it fail
+            listener.bind(str(path))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise WorkerAlreadyRunning(f"another compute worker took {path} while this one started") from err
+        sock_id = _file_id(path)
         listener.listen(8)
+        # the key only now, once the path is ours: a refused start leaves the live worker's key alone
+        key = secrets.token_bytes(32)
+        kpath.unlink(missing_ok=True)  # then O_EXCL|O_NOFOLLOW: a symlink planted here cannot redirect the write
+        fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        st = os.fstat(fd)
+        key_id = st.st_dev, st.st_ino
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
         print(f"[warm-worker] pid {os.getpid()} ready on {path}", file=sys.stderr, flush=True)
         while not stop and (max_requests is None or served < max_requests):
             try:
@@ -314,9 +459,10 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
                 served += 1
                 print(f"[warm-worker] request {served} served in {time.perf_counter() - t:.2f} s", file=sys.stderr, flush=True)
     finally:
+        # the socket's inode is compared while the listener still holds it: no new file can reuse the number yet
+        _remove_if_ours(path, sock_id)
+        _remove_if_ours(kpath, key_id, key)
         listener.close()
-        path.unlink(missing_ok=True)
-        kpath.unlink(missing_ok=True)
         for s, h in old.items():
             signal.signal(s, h)
     return served
@@ -345,9 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        check_socket_dir(args.socket)  # before the slow torch import
-    except (SocketDirectoryError, OSError) as err:
+    try:  # before the slow torch import
+        check_socket_dir(args.socket)
+        check_no_live_worker(args.socket)
+    except (SocketDirectoryError, WorkerAlreadyRunning, OSError) as err:
         sys.exit(f"[warm-worker] {err}")
     from common import explicit_step, native
     from common.runtime import configure_compute, flush_denormals_from_environment  # imports torch
@@ -360,7 +507,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         sys.exit(f"[warm-worker] {err}")
     configure_compute(args.torch_threads)
-    served = serve(args.socket, handshake_timeout=args.handshake_timeout_s)
+    try:
+        served = serve(args.socket, handshake_timeout=args.handshake_timeout_s)
+    except WorkerAlreadyRunning as err:
+        sys.exit(f"[warm-worker] {err}")
     print(f"[warm-worker] stopped after {served} requests", file=sys.stderr, flush=True)
     # Nothing is left to write (the ClientApp saves the client state it gets back), so skip the interpreter's
     # teardown: with ten workers holding Fashion-MNIST shards it took over 10 s on 2 cores (measured with
