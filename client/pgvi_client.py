@@ -12,6 +12,7 @@ damped Delta; ``evaluate`` scores the posterior predictive on the client's local
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -38,6 +39,7 @@ class PGVIClient(NumPyClient):
         self.client_id = client_id
         self.state = state
         self.names = list(problem.prior.params)
+        self.shapes = {k: tuple(v.shape) for k, v in problem.prior.params.items()}
         self.x, self.y = problem.tensors(shard.x_train, shard.y_train)
 
     def _factor(self, arrays: list[np.ndarray]):
@@ -54,24 +56,51 @@ class PGVIClient(NumPyClient):
             "posterior-version": int(config.get("posterior-version", -1)),
         }
 
+    def _site_problem(self, arrays: list[np.ndarray]) -> str | None:
+        """Why ``arrays`` are not a site of this problem (the names, in order, with their shapes; finite), or None."""
+        if len(arrays) != len(self.names):
+            return f"it carries {len(arrays)} site arrays named as the model's, expected {len(self.names)}"
+        for name, a in zip(self.names, arrays):
+            a = np.asarray(a)
+            if a.shape != self.shapes[name]:
+                return f"site array {name!r} has shape {a.shape}, expected {self.shapes[name]}"
+            if not np.issubdtype(a.dtype, np.floating) or not np.isfinite(a).all():
+                return f"site array {name!r} is not finite floating point"
+        return None
+
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[list[np.ndarray], int, dict[str, Scalar]]:
         """``parameters``: posterior arrays, then (if ``config['has-site']``) the ledger's site arrays."""
         n = len(self.names)
-        has_site = bool(config.get("has-site", False))
-        ledger_site = dict(zip(self.names, parameters[n:])) if has_site else None
-        if not self.state.reconcile(int(config.get("site-version", P.UNKNOWN_VERSION)), ledger_site):
+        raw_rho = config.get("rho", self.problem.cfg.rho())
+        try:
+            rho = float(raw_rho)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            rho = math.nan
+        if not (math.isfinite(rho) and 0.0 < rho <= 1.0):  # a bad message: nothing of it is acted on
+            return [], 0, self._reply(P.STATUS_FAILED, self.state.version, config,
+                                      f"damping rho must be in (0, 1], got {raw_rho!r}")
+        ledger_site = None
+        if config.get("has-site", False):
+            why = self._site_problem(parameters[n:])
+            if why is not None:  # never adopt (and save) a broken site: ask for it again, the state is unchanged
+                return [], 0, self._reply(P.STATUS_RESYNC, self.state.version, config,
+                                          f"the message says has-site but {why}: resend the site")
+            ledger_site = dict(zip(self.names, parameters[n:]))
+        ledger_tag = config.get(P.SITE_TAG, "")
+        ledger_tag = ledger_tag if isinstance(ledger_tag, str) else ""  # "" (an older server): versions decide
+        if not self.state.reconcile(int(config.get("site-version", P.UNKNOWN_VERSION)), ledger_site, ledger_tag):
             return [], 0, self._reply(P.STATUS_RESYNC, self.state.version, config, "site does not match the ledger")
         try:
             posterior = self._factor(parameters[:n])
             site = self.problem.prior.from_numpy(self.state.site) if self.state.site is not None else self.problem.prior.zeros_like()
-            rho = float(config.get("rho", self.problem.cfg.rho()))
             res = client_step(self.problem, posterior, site, self.x, self.y, rho, step_seed=int(config.get("server-round", 0)))
         except PGVIError as err:
             return [], 0, self._reply(P.STATUS_FAILED, self.state.version, config, f"{type(err).__name__}: {err}")
-        self.state.stage(res.new_site.to_numpy())
+        tag = self.state.stage(res.new_site.to_numpy())
         delta = res.delta.to_numpy()
         metrics: dict[str, Scalar] = dict(res.metrics)
         metrics.update(self._reply(P.STATUS_OK, self.state.version, config))
+        metrics[P.UPDATE_TAG] = tag
         return [delta[k] for k in self.names], len(self.y), metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
@@ -98,7 +127,7 @@ def _inject(mode: str, client: PGVIClient, delta: list[np.ndarray]) -> list[np.n
         factor = -1.0 if mode == "flip" else float(mode.split(":", 1)[1])
         delta = [factor * d for d in delta]
         site = client.problem.prior.from_numpy(client.state.site) if client.state.site is not None else client.problem.prior.zeros_like()
-        client.state.stage((site * client._factor(delta)).to_numpy())
+        client.state.stage((site * client._factor(delta)).to_numpy(), tag=client.state.pending_tag)  # the reply's tag
     elif mode == "nan":
         delta = [np.full_like(d, np.nan) for d in delta]
     elif mode == "wrong-shape":
@@ -131,8 +160,10 @@ def _serve(req: Request, cfg: RunConfig, partition_id: int, client_id: str) -> R
         return Result({}, metrics, client.state)
     if req.kind != "train":
         raise ValueError(f"unknown request kind {req.kind!r}")
-    if req.config.get("has-site") and req.site is not None:
-        arrays += [req.site[k] for k in client.names]
+    if req.config.get("has-site"):  # a site without exactly the model's names is none (fit asks for it again)
+        site = req.site or {}
+        if set(site) == set(client.names):
+            arrays += [site[k] for k in client.names]
     delta, _, metrics = client.fit(arrays, req.config)
     if req.fault == "crash-before-reply":
         raise InjectedFault("fault injection: client crashed before staging its update")

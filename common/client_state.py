@@ -5,6 +5,15 @@ The server's ledger is the source of truth.  After a client computes ``t' = t * 
 commits (the server applied the Delta), rolls back (it did not: the reply was lost or rejected), or, if
 the versions make no sense (restart, lost disk), asks for a resync and adopts the ledger's site.
 
+Versions alone cannot tell two updates staged against the same version apart: two train messages of one node may
+execute at once (the server timed the first out and sent another) or one may execute twice, each stages its own
+``t * Delta`` as version v + 1, the last save wins, and the server may have applied the other one.  So each
+staged update carries a random *tag* that the train reply reports; the server echoes the tag of the update that
+produced the ledger's current site (``site-tag``, ``common.protocol``).  A pending update is committed only if
+the tags agree, a committed site is kept only if its tag agrees; otherwise the client asks for its ledger site
+(resync).  An empty tag from the server (an older server or checkpoint, or a site reset) means "unknown": the
+version decides alone, as before tags existed.
+
 Persisted, when a directory is given, as one ``<client-id>.npz`` written atomically
 (temp file + fsync + rename + directory fsync), so a SuperNode restart resumes where it was.
 """
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,38 +40,53 @@ class ClientState:
     version: int = 0
     pending_site: dict[str, np.ndarray] | None = None
     pending_version: int | None = None
+    tag: str = ""  # the tag of the update that produced ``site`` ("" = unknown: uniform, or from an older peer)
+    pending_tag: str = ""  # the tag of the pending update, reported in its train reply
 
     # -------------------------------------------------------------------------------------------
-    def reconcile(self, ledger_version: int, ledger_site: dict[str, np.ndarray] | None) -> bool:
+    def reconcile(self, ledger_version: int, ledger_site: dict[str, np.ndarray] | None, ledger_tag: str = "") -> bool:
         """Bring the committed site in line with the server's ledger.
 
-        Returns ``True`` if the committed site is now the ledger's (the caller may compute a Delta), ``False``
-        if the client cannot tell and must ask the server to resend the site.
+        ``ledger_tag`` is the tag of the update that produced the ledger's site ("" = unknown: the versions
+        decide alone).  Returns ``True`` if the committed site is now the ledger's (the caller may compute a
+        Delta), ``False`` if the client cannot tell and must ask the server to resend the site.
         """
         if ledger_site is not None:
             self.site = {k: np.array(v, copy=True) for k, v in ledger_site.items()}
             self.version = int(ledger_version)
-            self.pending_site, self.pending_version = None, None
+            self.tag = str(ledger_tag)
+            self._drop_pending()
             return True
         if ledger_version == UNKNOWN_VERSION:
             # the server does not know this node yet; safe only if nothing is pending
             return self.pending_site is None
         if self.pending_version is not None and ledger_version == self.pending_version:
-            self.site, self.version = self.pending_site, self.pending_version  # commit
-            self.pending_site, self.pending_version = None, None
+            if ledger_tag and ledger_tag != self.pending_tag:
+                # the server applied another update of this client at this version (a concurrent or re-executed
+                # message): neither the pending site nor the committed one is the ledger's
+                self._drop_pending()
+                return False
+            self.site, self.version, self.tag = self.pending_site, self.pending_version, self.pending_tag  # commit
+            self._drop_pending()
             return True
         if ledger_version == self.version:
-            self.pending_site, self.pending_version = None, None  # roll back: the server did not apply it
-            return True
+            self._drop_pending()  # roll back: the server did not apply it
+            return not ledger_tag or ledger_tag == self.tag  # else the ledger's site of this version is another
         return False
 
-    def stage(self, new_site: dict[str, np.ndarray]) -> None:
-        """Keep ``new_site`` as the pending update (version + 1) until the server confirms it."""
+    def _drop_pending(self) -> None:
+        self.pending_site, self.pending_version, self.pending_tag = None, None, ""
+
+    def stage(self, new_site: dict[str, np.ndarray], tag: str | None = None) -> str:
+        """Keep ``new_site`` as the pending update (version + 1) until the server confirms it; returns its tag (a
+        fresh random one unless ``tag`` is given: a re-staged update that keeps the tag its reply reports)."""
         self.pending_site = {k: np.array(v, copy=True) for k, v in new_site.items()}
         self.pending_version = self.version + 1
+        self.pending_tag = secrets.token_hex(8) if tag is None else str(tag)
+        return self.pending_tag
 
     # -------------------------------------------------------------------------------------------
-    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, int | bool]]:
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, int | bool | str]]:
         arrays: dict[str, np.ndarray] = {}
         for prefix, d in (("site:", self.site), ("pending:", self.pending_site)):
             for k, v in (d or {}).items():
@@ -70,6 +95,8 @@ class ClientState:
             "version": self.version,
             "has-site": self.site is not None,
             "pending-version": -1 if self.pending_version is None else self.pending_version,
+            "tag": self.tag,
+            "pending-tag": self.pending_tag if self.pending_version is not None else "",
         }
         return arrays, meta
 
@@ -83,6 +110,8 @@ class ClientState:
             version=int(meta.get("version", 0)),
             pending_site=pending if pv >= 0 else None,
             pending_version=pv if pv >= 0 else None,
+            tag=str(meta.get("tag", "")),  # absent from states saved before tags existed
+            pending_tag=str(meta.get("pending-tag", "")) if pv >= 0 else "",
         )
 
     # -------------------------------------------------------------------------------------------

@@ -4,11 +4,12 @@ Train message (server -> client), one per selected node:
   "posterior"  ArrayRecord  natural parameters of the current server posterior
   "site"       ArrayRecord  OPTIONAL: the server ledger's copy of this client's site (resync)
   "config"     ConfigRecord server-round, posterior-version, rho, site-version (-1 = unknown node), seed,
-                            posterior-layout (and site-layout with a site)
+                            site-tag, has-site, posterior-layout (and site-layout with a site)
 Train reply (client -> server):
   "delta"      ArrayRecord  Delta natural parameters (absent when status != "ok")
   "metrics"    MetricRecord num-examples, objective, epochs, seconds, ...
-  "config"     ConfigRecord client-id, base-site-version, posterior-version, status, reason, delta-layout
+  "config"     ConfigRecord client-id, base-site-version, posterior-version, status, reason, update-tag,
+                            delta-layout
 Evaluate message: "posterior" + "config" (server-round, posterior-layout); reply: "metrics" (accuracy, nll,
 ece, brier, num-examples).
 
@@ -19,6 +20,14 @@ Site versions make updates exactly-once: the server's ledger counts the updates 
 a client computes its Delta against the site of a given version and reports it; the server applies a
 Delta only if that version equals the ledger's (a duplicate, late or lost-state reply does not), and
 the client commits its pending site only when the server's next message confirms the new version.
+
+Update tags tell apart two updates staged against the same version (two executions of one message, or two
+messages of one node running at once): the client draws a random tag for each update it stages and reports it
+("update-tag"); the server records the tag of the Delta it applies and sends it with every train message
+("site-tag": the tag of the update that produced the ledger's current site, also with a resent site; "" when
+unknown: never updated, site reset, or a reply without a tag).  A client whose pending update has the message's
+version but another tag drops it and asks for its site (status "resync"); an empty site-tag leaves the decision
+to the version, as before tags existed (common/client_state.py).
 """
 
 POSTERIOR = "posterior"
@@ -32,3 +41,7 @@ STATUS_RESYNC = "resync"  # the client's site does not match the ledger: resend 
 STATUS_FAILED = "failed"  # the local step raised (improper cavity, non-finite objective, ...)
 
 UNKNOWN_VERSION = -1
+
+UPDATE_TAG = "update-tag"  # train reply config: the tag of the update the client staged
+SITE_TAG = "site-tag"  # train message config: the tag of the update behind the ledger's site ("" = unknown)
+MAX_TAG_CHARS = 64  # a longer (or non-string) update-tag makes a reply malformed

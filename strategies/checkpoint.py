@@ -1,7 +1,8 @@
 """Server checkpoints: the whole PGVI server state, written atomically after every applied update.
 
-A checkpoint holds the posterior, the global site, every client's site (the ledger) and its version, the
-round and position within it, the sampling RNG state, the rejections and the metrics so far.  The round is two
+A checkpoint holds the posterior, the global site, every client's site (the ledger), its version and its update
+tag (``common.protocol``), the round and position within it, the sampling RNG state, the rejections and the
+metrics so far.  The round is two
 numbers: ``round-completed``, the last round recorded, and ``round-applied``, the last round whose updates are
 all in the ledger (synchronous: one more between a round's applied batch and its record; a resume records that
 round instead of sending it again).  The RNG state is the one the first round a resume sends must start from
@@ -11,8 +12,9 @@ that dies at any point resumes with a ledger that every client can reconcile wit
 was applied but not checkpointed sees the older version and rolls back; nothing is lost or counted twice.
 
 Resume: a new run with ``resume = "<dir>"`` loads ``<dir>/checkpoint.npz``; the run config must be the same
-except for the keys in ``RESUME_FREE_KEYS``.  Keys added to the format after version 1 (``round-applied``) take
-their old meaning when absent, so older checkpoints still load.
+except for the keys in ``RESUME_FREE_KEYS``.  Keys added to the format after version 1 (``round-applied``,
+``ledger-tags``) take their old meaning when absent, so older checkpoints still load (without tags every client
+tag is unknown, and clients reconcile by version alone until their next applied update).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
         "config": _config_fingerprint(strategy.cfg.to_flat()),
         "version": st.version,
         "ledger-versions": strategy.ledger_versions,
+        "ledger-tags": strategy.ledger_tags,
         "resync": sorted(strategy.resync),
         "round-completed": strategy.round_completed,
         "round-applied": strategy.round_applied,
@@ -101,6 +104,7 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     st.sites = {cid: factor(f"site|{cid}|") for cid in cids}
     st.version = int(meta["version"])
     strategy.ledger_versions = {k: int(v) for k, v in meta["ledger-versions"].items()}
+    strategy.ledger_tags = {k: str(v) for k, v in meta.get("ledger-tags", {}).items() if v}  # absent: all unknown
     strategy.resync = set(meta["resync"])
     strategy.round_completed = int(meta["round-completed"])
     # absent from checkpoints written before it existed: resume those as their version did, at round-completed + 1

@@ -23,7 +23,9 @@ Runtime API calls (push/pull) that fail transiently (HTTP 5xx, 408, 429, a dropp
 object-push session) are retried with a short backoff until the round deadline; only then are the messages
 treated as failed.  A push is retried with the *same* ``Message`` objects: their id is the content hash, so the
 SuperLink stores (and delivers) at most one copy even if the failed attempt was stored; a message that is
-nonetheless executed twice yields two Deltas against the same site version, and the ledger applies one.
+nonetheless executed twice yields two Deltas against the same site version, and the ledger applies one; the
+applied reply's ``update-tag`` becomes the client's ledger tag (``ledger_tags``, checkpointed), sent with its next
+messages as ``site-tag``, so the client commits only the update the ledger applied (``common.client_state``).
 Duplicates and version mismatches are rejected without counting towards ``max-bad-replies`` (they are not
 misbehaviour); invalid content (non-finite, wrong shape, improper, a false client id) does count.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -126,6 +129,8 @@ class Reply:
     #: a second reply of the client in the same batch was rejected: the client may have staged that one's Delta
     #: (a re-executed message), so even once this one is applied the client must be sent its ledger site
     duplicated: bool = False
+    #: the reply's update tag ("" from a client without tags)
+    tag: str = ""
 
 
 #: The phases of a round whose wall time the server records (row key ``server-seconds-<phase>``):
@@ -256,6 +261,8 @@ class PGVIStrategy(Strategy):
         self.cfg = problem.cfg
         self.state = PGVIServerState(prior=problem.prior, server_step=problem.server_step)
         self.ledger_versions: dict[str, int] = {}  # client id -> number of Deltas applied to its site
+        # client id -> the update tag of the reply whose Delta made its site ("" / absent: unknown, see common.protocol)
+        self.ledger_tags: dict[str, str] = {}
         self.node_client: dict[int, str] = {}  # node id -> stable client id
         self.resync: set[str] = set()  # clients that must be sent their ledger site
         self.rejections: list[dict[str, object]] = []
@@ -829,6 +836,7 @@ class PGVIStrategy(Strategy):
                         "server-round": rnd,
                         "posterior-version": self.state.version,
                         "site-version": self.ledger_versions.get(cid, P.UNKNOWN_VERSION),
+                        P.SITE_TAG: self.ledger_tags.get(cid, ""),
                         "client-id": cid,
                         "rho": self.rho,
                         "has-site": cid in self.resync,
@@ -953,6 +961,7 @@ class PGVIStrategy(Strategy):
         log(WARNING, "client '%s': its site (%d applied updates) was divided out of the posterior", client_id,
             self.ledger_versions[client_id])
         self.ledger_versions[client_id] = 0
+        self.ledger_tags.pop(client_id, None)  # the uniform site: no update behind it
         self.resync.add(client_id)
         self._checkpoint()
 
@@ -1007,6 +1016,9 @@ class PGVIStrategy(Strategy):
                 delta = record_to_factor(record, self.problem.prior, cfg.get(layout_key(P.DELTA)))
                 base = _strict_int(cfg.get("base-site-version"), "base-site-version")
                 sent = _strict_int(cfg.get("posterior-version", self.state.version), "posterior-version")
+                tag = cfg.get(P.UPDATE_TAG, "")
+                if not isinstance(tag, str) or len(tag) > P.MAX_TAG_CHARS:
+                    raise PGVIError(f"{P.UPDATE_TAG} must be a string of at most {P.MAX_TAG_CHARS} characters")
                 if base != self.ledger_versions.get(cid):  # duplicate, late, or the site was reset: not misbehaviour
                     self.resync.add(cid)
                     self._reject(rnd, cid, node, f"Delta computed against site version {base}, ledger has "
@@ -1016,7 +1028,7 @@ class PGVIStrategy(Strategy):
                 metrics = {}
                 if P.METRICS in content:
                     metrics = {k: float(v) for k, v in content[P.METRICS].items() if isinstance(v, (int, float))}
-                out.append(Reply(node, cid, delta, base, sent, metrics, record.count_bytes()))
+                out.append(Reply(node, cid, delta, base, sent, metrics, record.count_bytes(), tag=tag))
                 seen.add(cid)
             except PGVIError as err:
                 self._reject(rnd, cid, node, str(err), stats)
@@ -1064,6 +1076,9 @@ class PGVIStrategy(Strategy):
                 self.resync.add(d.client_id)
         for d in ok:
             self.ledger_versions[d.client_id] = self.ledger_versions.get(d.client_id, 0) + 1
+            # the tag of the update behind the new ledger site; a credited site is none the client staged: a fresh
+            # tag (sent with the resent site) so that the client's own update is never committed in its place
+            self.ledger_tags[d.client_id] = d.tag if credited[d.client_id] is d.delta else f"s{secrets.token_hex(8)}"
             if credited[d.client_id] is d.delta and not d.duplicated:  # the client holds the ledger's site
                 self.resync.discard(d.client_id)
         if ok:

@@ -12,8 +12,9 @@ Properties, for every batch of reply Messages:
   leaves one entry with a non-empty reason in ``strategy.rejections``;
 * if nothing is applied, the posterior, the ledger (``state.sites``, ``state.global_site``,
   ``ledger_versions``) and ``state.version`` are bit-for-bit unchanged;
-* if something is applied: ``version`` + 1, each applied client's ledger version + 1 and its site moved by
-  exactly the Delta it sent (decoded here independently of the codec), ``global_site`` moved by the sum of the
+* if something is applied: ``version`` + 1, each applied client's ledger version + 1 and its ledger tag that of
+  the reply it applied (``ledger_tags``: every other client's is unchanged), its site moved by exactly the Delta it
+  sent (decoded here independently of the codec), ``global_site`` moved by the sum of the
   site moves, the posterior is ``server_step(prior, global_site)`` and is a proper Gaussian (checked here
   independently in numpy), and the ledger identity ``global_site = prod sites`` holds;
 * exactly once: delivering the same batch again never applies any reply a second time.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 from collections import Counter
 import json
 import os
@@ -115,6 +117,7 @@ def snapshot(s: PGVIStrategy) -> dict:
         "global": _np(s.state.global_site),
         "sites": {c: _np(f) for c, f in s.state.sites.items()},
         "ledger": dict(s.ledger_versions),
+        "tags": dict(s.ledger_tags),
         "resync": set(s.resync),
         "n_rejections": len(s.rejections),
     }
@@ -128,6 +131,7 @@ def assert_state_unchanged(s: PGVIStrategy, before: dict) -> None:
     now = snapshot(s)
     assert now["version"] == before["version"]
     assert now["ledger"] == before["ledger"]
+    assert now["tags"] == before["tags"], "a ledger tag changed without an update"
     assert _same(now["posterior"], before["posterior"]), "posterior changed"
     assert _same(now["global"], before["global"]), "global site changed"
     assert now["sites"].keys() == before["sites"].keys()
@@ -234,6 +238,14 @@ def check_batch(s: PGVIStrategy, before: dict, replies: list[Message], stats: Ro
             ):
                 applied[c].add(i)
         assert applied[c], f"site of {c} did not move by a Delta it sent"
+    # the ledger tag of an applied client is that of the reply it applied (or, had an aggregator credited another
+    # site, a fresh server tag sent with the resent site); the others' tags are unchanged
+    for c in s.ledger_versions:
+        if c not in applied:
+            assert s.ledger_tags.get(c) == before["tags"].get(c), f"tag of {c} changed without an update"
+            continue
+        tags = {_reply_tag(replies[i]) for i in applied[c]}
+        assert s.ledger_tags[c] in tags or (s.ledger_tags[c].startswith("s") and c in s.resync), (c, tags)
     scale = max(
         1.0,
         *(float(np.abs(v).max()) for v in now["global"].values()),
@@ -253,6 +265,11 @@ def check_batch(s: PGVIStrategy, before: dict, replies: list[Message], stats: Ro
     rec, layout = s._wire_posterior()
     assert _same(decode_arrays(rec, layout), now["posterior"])
     return applied
+
+
+def _reply_tag(m: Message) -> str:
+    cfg = m.content[P.CONFIG]
+    return cfg[P.UPDATE_TAG] if P.UPDATE_TAG in cfg else ""
 
 
 def check_replay(s: PGVIStrategy, replies: list[Message], applied: dict[str, set[int]]) -> None:
@@ -366,6 +383,7 @@ class Case:
                 "reason": "",
                 "base-site-version": self.s.ledger_versions[self.cid],
                 "posterior-version": self.s.state.version,
+                P.UPDATE_TAG: f"fuzz-{next(_TAGS)}",
             }),
             P.METRICS: MetricRecord({"num-examples": 20.0, "objective": 1.25, "seconds": 0.01}),
             P.DELTA: ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
@@ -373,6 +391,9 @@ class Case:
 
     def reply(self, content: RecordDict) -> Message:
         return Message(content, reply_to=self.req)
+
+
+_TAGS = itertools.count()  # every reply its own update tag, as the client draws one per staged update
 
 
 def unknown_node(case: Case) -> int:
@@ -413,7 +434,9 @@ def harmless(case: Case, arrays: dict[str, np.ndarray]) -> RecordDict:
         cfg["posterior-version"] = draw(st.integers(-(2**63), 2**63 - 1))
     if draw(st.booleans(), label="reason"):
         cfg["reason"] = draw(st.text(max_size=50))
-    protocol_keys = {"client-id", "status", "reason", "base-site-version", "posterior-version"}
+    if draw(st.booleans(), label="no update tag (a client before tags)"):
+        del cfg[P.UPDATE_TAG]
+    protocol_keys = {"client-id", "status", "reason", "base-site-version", "posterior-version", P.UPDATE_TAG}
     extra_keys = st.text(max_size=10).filter(lambda k: k not in protocol_keys)
     for key in draw(st.lists(extra_keys, max_size=3, unique=True), label="extra config"):
         cfg[key] = draw(config_values)
@@ -702,6 +725,14 @@ def f_unknown_node(case, content):
     return [from_node(case, node, content)], ["rejected"]
 
 
+def f_tag_garbage(case, content):
+    """An update tag that is not a string of at most MAX_TAG_CHARS characters."""
+    value = case.draw(config_values.filter(lambda v: not isinstance(v, str))
+                      | st.text(min_size=P.MAX_TAG_CHARS + 1, max_size=P.MAX_TAG_CHARS + 40))
+    content[P.CONFIG][P.UPDATE_TAG] = value
+    return [case.reply(content)], ["rejected"]
+
+
 def f_duplicate(case, content):
     """The same reply delivered twice, or a second, different valid Delta from the same client."""
     first = case.reply(content)
@@ -716,7 +747,7 @@ FAULTS = {f.__name__[2:]: f for f in [
     f_base_version_wrong, f_base_version_garbage, f_posterior_version_garbage, f_config_missing_or_wrong_type,
     f_delta_missing_or_wrong_type, f_missing_key, f_extra_key, f_shape_metadata, f_shape_data, f_dtype_metadata,
     f_dtype_data, f_nonfinite, f_improper, f_truncated, f_garbage_bytes, f_huge_npy_header, f_stype,
-    f_too_many_bytes, f_corrupt_attributes, f_unknown_node, f_duplicate,
+    f_too_many_bytes, f_corrupt_attributes, f_unknown_node, f_duplicate, f_tag_garbage,
 ]}
 
 
@@ -979,7 +1010,7 @@ def chaos_record(draw, case: Case, role: str):
         return ArrayRecord({k: draw(chaos_array(case.layout.get(k, (2,)))) for k in sorted(keys)})
     if kind == "config":
         right = {"client-id": case.cid, "status": P.STATUS_OK, "base-site-version": case.s.ledger_versions[case.cid],
-                 "posterior-version": case.s.state.version, "reason": ""}
+                 "posterior-version": case.s.state.version, "reason": "", P.UPDATE_TAG: f"fuzz-{next(_TAGS)}"}
         out = ConfigRecord()
         for key, value in right.items():
             how = draw(st.sampled_from(["right", "right", "garbage", "absent", "a status"]))

@@ -61,7 +61,7 @@ def client_sites(grid: InProcessGrid, strategy: PGVIStrategy) -> dict[str, dict[
         cid = strategy.node_client[node]
         # what the client's next message would carry: the ledger version, and the site itself on resync
         ledger_site = strategy.state.sites[cid].to_numpy() if cid in strategy.resync else None
-        assert st.reconcile(strategy.ledger_versions[cid], ledger_site)
+        assert st.reconcile(strategy.ledger_versions[cid], ledger_site, strategy.ledger_tags.get(cid, ""))
         out[cid] = st.site
     return out
 
