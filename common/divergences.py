@@ -221,13 +221,10 @@ def kl_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaussian) -> 
     return 0.5 * (trace - q.dim + maha - logdet_ratio)
 
 
-def alpha_renyi_via_log_normalizer(q: GaussianFactor, p: GaussianFactor, alpha: float) -> Tensor:
-    """``[A(alpha eta_q + (1-alpha) eta_p) - alpha A(eta_q) - (1-alpha) A(eta_p)] / (alpha (alpha-1))``.
-
-    The generic exponential-family form of the Alpha-Renyi divergence (Knoblauch et al. 2022, Cor. 35).
-    Raises :class:`DivergenceUndefinedError` if the combined natural parameter is improper (see
-    :class:`AlphaRenyi` for the region).  ``alpha`` is not validated here beyond ``alpha not in {0, 1}``.
-    """
+def _alpha_mixture(q: GaussianFactor, p: GaussianFactor, alpha: float) -> GaussianFactor:
+    """``alpha eta_q + (1 - alpha) eta_p`` after the checks both Alpha-Renyi closed forms share: same layout,
+    ``alpha not in {0, 1}``, ``q`` and ``p`` proper, and the mixture proper (else
+    :class:`DivergenceUndefinedError`)."""
     _check_same_layout(q, p)
     if alpha in (0.0, 1.0):
         raise ValueError(f"alpha must not be 0 or 1 here, got {alpha}")
@@ -237,6 +234,17 @@ def alpha_renyi_via_log_normalizer(q: GaussianFactor, p: GaussianFactor, alpha: 
     detail = mix.detach().improper_detail()
     if detail is not None:
         raise DivergenceUndefinedError(_undefined_message(alpha, detail))
+    return mix
+
+
+def alpha_renyi_via_log_normalizer(q: GaussianFactor, p: GaussianFactor, alpha: float) -> Tensor:
+    """``[A(alpha eta_q + (1-alpha) eta_p) - alpha A(eta_q) - (1-alpha) A(eta_p)] / (alpha (alpha-1))``.
+
+    The generic exponential-family form of the Alpha-Renyi divergence (Knoblauch et al. 2022, Cor. 35).
+    Raises :class:`DivergenceUndefinedError` if the combined natural parameter is improper (see
+    :class:`AlphaRenyi` for the region).  ``alpha`` is not validated here beyond ``alpha not in {0, 1}``.
+    """
+    mix = _alpha_mixture(q, p, alpha)
     num = mix.log_normalizer() - alpha * q.log_normalizer() - (1.0 - alpha) * p.log_normalizer()
     return num / (alpha * (alpha - 1.0))
 
@@ -260,15 +268,7 @@ def alpha_renyi_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaus
     Raises :class:`DivergenceUndefinedError` if ``Lambda_a`` is not positive definite (see :class:`AlphaRenyi`
     for the region).  ``alpha`` is not validated here beyond ``alpha not in {0, 1}``.
     """
-    _check_same_layout(q, p)
-    if alpha in (0.0, 1.0):
-        raise ValueError(f"alpha must not be 0 or 1 here, got {alpha}")
-    q.detach().check_proper("q in alpha_renyi")
-    p.detach().check_proper("p in alpha_renyi")
-    mix = q.combine(p, alpha, 1.0 - alpha)
-    detail = mix.detach().improper_detail()
-    if detail is not None:
-        raise DivergenceUndefinedError(_undefined_message(alpha, detail))
+    mix = _alpha_mixture(q, p, alpha)
     lam_a = mix.precision()
     chol_a, info = torch.linalg.cholesky_ex(0.5 * (lam_a + lam_a.T))
     if int(info) != 0:  # positive definite by improper_detail, but not to rounding here

@@ -10,14 +10,14 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import Context, MetricRecord, RecordDict
+from flwr.app import Context, RecordDict
 
-from common import protocol as P
 from common.config import ConfigError, parse_run_config
 from common.data.partition import partition
 from common.problem import _full_dataset, build_problem, client_shard, load_full_data
 from server.app import prepare
 from tests.test_server_app import app_config
+from tests.test_strategy_edge_cases import _EvalReply
 
 INF, NAN = float("inf"), float("nan")
 REGRESSION = [("linear_regression", "synthetic_linear_regression"),
@@ -287,15 +287,6 @@ def test_fedavg_result_files_are_written_atomically(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------
 # 7. client metrics: counts are not weighted by the counts
-
-
-class _EvalReply:
-    def __init__(self, metrics: dict, node: int) -> None:
-        self.content = {P.METRICS: MetricRecord(metrics)}
-        self.metadata = type("Meta", (), {"src_node_id": node})()
-
-    def has_error(self) -> bool:
-        return False
 
 
 def test_pooled_client_metrics_do_not_weight_num_points_by_n():

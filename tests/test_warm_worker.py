@@ -59,7 +59,9 @@ def _start_worker(sock: Path, *args: str) -> subprocess.Popen:
 
 
 def _stop_worker(proc: subprocess.Popen) -> str:
-    """SIGTERM (SIGKILL after 30 s) and return what the worker logged."""
+    """SIGTERM (SIGKILL after 30 s) and return what the worker logged ("" if already collected)."""
+    if proc.stderr.closed:
+        return ""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -30,6 +30,7 @@ import pytest
 import client.app as app_module
 from client import warm_worker
 from client.node_request import Request
+from tests.test_warm_worker import _stop_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 RAW = {"model": "gaussian_location", "dataset": "synthetic_gaussian_location", "family": "full_covariance",
@@ -71,23 +72,6 @@ def _start_worker(sock: Path, *, stale_key: bytes | None = None) -> subprocess.P
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_ready(proc, sock, stale_key=stale_key)
     return proc
-
-
-def _stop_worker(proc: subprocess.Popen) -> str:
-    """SIGTERM (SIGKILL after 30 s) and return what the worker logged ("" if already collected)."""
-    if proc.stderr.closed:
-        return ""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    try:
-        return proc.stderr.read()
-    finally:
-        proc.stderr.close()
 
 
 def _in_background(fn) -> tuple[threading.Thread, dict]:
