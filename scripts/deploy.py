@@ -363,7 +363,40 @@ def _parse_json_output(text: str) -> Any:
 
 
 def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    """The address a client on this machine connects to for a server bound to ``host`` (no brackets)."""
+    h = host.strip("[]")
+    return "127.0.0.1" if h in ("0.0.0.0", "", "::") else h
+
+
+def _hostport(host: str, port: int) -> str:
+    """``host:port`` with an IPv6 literal bracketed (``[::1]:9092``), as gRPC, URLs and Flower expect."""
+    h = host.strip("[]")
+    return f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    """``host`` is a loopback address (or ``localhost``): nothing off this machine can reach it."""
+    h = host.strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def _mkdir_private(path: Path) -> None:
+    """Create ``path`` (and missing parents) owner-only (0700): run dirs hold the SuperLink database
+    (stored messages, task tokens), node state and logs."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+CONTROL_API_EXPOSED_WARNING = (
+    "WARNING: the SuperLink Control API (--control-host {host}) is reachable from other machines. In Flower "
+    "1.39 it has no credentials: anyone who reaches it (TLS only needs the public ca.crt) can register a node "
+    "key and join as a SuperNode, or submit a FAB that runs on every node. Keep it on 127.0.0.1 (the default) "
+    "and reach it over SSH or a VPN unless the network in front of it is trusted."
+)
 
 
 # --------------------------------------------------------------------------- deployment
@@ -391,7 +424,11 @@ class Deployment:
         SuperLink gets ``--enable-supernode-auth`` and every node key is registered with
         the SuperLink before that node starts. ``False`` turns it off (warns loudly).
     host:
-        Bind address of the SuperLink's Fleet and Control APIs.
+        Bind address of the SuperLink's Fleet API (the SuperNodes connect to it).
+    control_host:
+        Bind address of the SuperLink's Control API (``flwr`` CLI; also its Runtime API). Default
+        ``127.0.0.1``: the Control API has no credentials in Flower 1.39 (whoever reaches it controls the
+        federation), so :meth:`start` warns when this is not a loopback address.
     fleet_port, control_port, node_port_base, node_ports:
         Ports. ``node_ports`` (one per node) overrides ``node_port_base + k``.
     isolation:
@@ -433,6 +470,7 @@ class Deployment:
         insecure: bool = False,
         auth: bool | None = None,
         host: str = "127.0.0.1",
+        control_host: str = "127.0.0.1",
         fleet_port: int = 9092,
         control_port: int = 8000,
         node_port_base: int = 9094,
@@ -485,6 +523,7 @@ class Deployment:
         self.insecure = insecure
         self.auth = bool(auth)
         self.host = host
+        self.control_host = control_host
         self.fleet_port = fleet_port
         self.control_port = control_port
         self.node_ports = list(node_ports) if node_ports is not None else [
@@ -593,7 +632,7 @@ class Deployment:
         state_dir = self.node_state_dir(k)
         if state_dir.exists():
             shutil.rmtree(state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(state_dir)
 
     def node_key(self, k: int) -> tuple[Path, Path]:
         """(private, public) OpenSSH key paths of node ``k``."""
@@ -626,7 +665,7 @@ class Deployment:
         if self.superexec_poll_interval is not None:
             env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(self.superexec_poll_interval)
         env.update(self.extra_env)
-        home.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(home)
         return env
 
     # ----------------------------------------------------------------- process control
@@ -634,7 +673,7 @@ class Deployment:
     def _spawn(self, role: str, index: int | None, cmd: list[str], home: Path,
                env: Mapping[str, str] | None = None) -> ProcInfo:
         name = role if index is None else f"{role}-{index}"
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(self.logs_dir)
         log_path = self.logs_dir / f"{name}.log"
         popen = self._popen_logged(cmd, log_path, f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} $ ", home,
                                    self.run_dir, append=True, env=env)
@@ -811,32 +850,40 @@ class Deployment:
         for h in extra:
             if not pki.cert_covers_host(files.server_cert, h):
                 raise DeploymentError(
-                    f"{files.server_cert} does not list {h} (--host) among its subjectAltNames, so no "
+                    f"{files.server_cert} does not list {h} (--host/--control-host) among its subjectAltNames, so no "
                     f"client could verify it; re-issue it with `python scripts/pki.py --out {self.certs_dir} "
                     f"--supernodes {self.num_nodes}{san_args}` (needs ca.key)"
                 )
 
     def host_sans(self) -> list[str]:
-        """Extra SANs the SuperLink certificate needs for ``host``: none for loopback, ``localhost``
-        and the wildcard addresses (clients then connect to 127.0.0.1), else ``[host]``."""
-        h = self.host.strip("[]")
-        if h.lower() in ("", "localhost"):
-            return []
-        try:
-            ip = ipaddress.ip_address(h)
-        except ValueError:
-            return [h]  # a DNS name
-        return [] if ip.is_loopback or ip.is_unspecified else [str(ip)]
+        """Extra SANs the SuperLink certificate needs for ``host`` and ``control_host``: none for loopback,
+        ``localhost`` and the wildcard addresses (clients then connect to 127.0.0.1), else the address."""
+        out: list[str] = []
+        for host in (self.host, self.control_host):
+            h = host.strip("[]")
+            if h.lower() in ("", "localhost"):
+                continue
+            try:
+                ip = ipaddress.ip_address(h)
+            except ValueError:
+                san = h  # a DNS name
+            else:
+                if ip.is_loopback or ip.is_unspecified:
+                    continue
+                san = str(ip)
+            if san not in out:
+                out.append(san)
+        return out
 
     def _write_cli_config(self) -> Path:
-        conn: dict[str, Any] = {"address": f"{_connect_host(self.host)}:{self.control_port}"}
+        conn: dict[str, Any] = {"address": _hostport(_connect_host(self.control_host), self.control_port)}
         if self.insecure:
             conn["insecure"] = True
         else:
             assert self.ca_cert is not None
             conn["root-certificates"] = str(self.ca_cert)
         doc = {"superlink": {"default": self.connection, self.connection: conn}}
-        self.cli_home.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(self.cli_home)
         path = self.cli_home / "config.toml"
         path.write_text(tomli_w.dumps(doc))
         return path
@@ -858,7 +905,12 @@ class Deployment:
         """Start the SuperLink, register keys (auth), start all SuperNodes. Does not wait online."""
         if self._started:
             raise DeploymentError("deployment already started")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(self.run_dir)
+        self.run_dir.chmod(0o700)  # also an existing run dir: it will hold state.db, node state, logs
+        if not _is_loopback(self.control_host):
+            print(CONTROL_API_EXPOSED_WARNING.format(host=self.control_host), file=sys.stderr)
+            log.warning("Control API bound to non-loopback %s: whoever reaches it controls the federation",
+                        self.control_host)
         if self.insecure:
             print(INSECURE_BANNER, file=sys.stderr)
             log.warning("INSECURE deployment: TLS and SuperNode authentication disabled")
@@ -895,14 +947,14 @@ class Deployment:
 
     def _start_superlink(self, timeout: float) -> None:
         db = self.run_dir / "superlink" / "state.db"
-        db.parent.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(db.parent)
         database = str(db) if self.superlink_state == "sqlite" else ":flwr-in-memory:"
         cmd = [
             self._bin("flower-superlink"),
             *self._tls_server_args(),
-            "--host", self.host,
+            "--host", self.control_host.strip("[]"),
             "--port", str(self.control_port),
-            "--fleet-api-address", f"{self.host}:{self.fleet_port}",
+            "--fleet-api-address", _hostport(self.host, self.fleet_port),
             "--database", database,
             "--isolation", self.isolation,
             "--disable-runtime-dependency-installation",
@@ -918,7 +970,7 @@ class Deployment:
                 [
                     self._bin("flower-superexec"),
                     *self._tls_client_args(),
-                    "--runtime-api-address", f"{_connect_host(self.host)}:{self.control_port}",
+                    "--runtime-api-address", _hostport(_connect_host(self.control_host), self.control_port),
                 ],  # fmt: skip
                 self.run_dir / "homes" / "superexec-serverapp",
             )
@@ -927,7 +979,7 @@ class Deployment:
         host = _connect_host(self.host)
         scheme = "http" if self.insecure else "https"
         ctx = None if self.insecure else ssl.create_default_context(cafile=str(self.ca_cert))
-        url = f"{scheme}://{host}:{self.control_port}/health"
+        url = f"{scheme}://{_hostport(_connect_host(self.control_host), self.control_port)}/health"
         deadline = time.monotonic() + timeout
         health_ok = False
         tls_error: BaseException | None = None  # the last TLS failure of the health check
@@ -961,7 +1013,11 @@ class Deployment:
         if old is not None and self._alive(old):
             raise DeploymentError(f"supernode-{k} is still running (pid {old.pid})")
         port = self.node_ports[k]
-        self.node_state_dir(k).mkdir(parents=True, exist_ok=True)
+        if self.isolation == "process":
+            # the previous start's SuperExec (its SuperNode crashed, or a restart attempt exited) would keep
+            # polling a dead Runtime API next to the new one, and its record is overwritten below: stop it
+            self._stop_node_superexec(k)
+        _mkdir_private(self.node_state_dir(k))
         node_cfg = self.node_config_for(k)
         worker = self._proc("warm-worker", k)
         if self.warm_workers and (worker is None or not self._alive(worker)):
@@ -969,7 +1025,7 @@ class Deployment:
         cmd = [
             *self._supernode_cmd(),
             *self._tls_client_args(),
-            "--superlink", f"{_connect_host(self.host)}:{self.fleet_port}",
+            "--superlink", _hostport(_connect_host(self.host), self.fleet_port),
             "--host", "127.0.0.1",
             "--port", str(port),
             "--isolation", self.isolation,
@@ -994,6 +1050,14 @@ class Deployment:
             else:
                 self._spawn("superexec-clientapp", k, [self._bin("flower-superexec"), *args], home)
         return info
+
+    def _stop_node_superexec(self, k: int) -> None:
+        """Stop node ``k``'s separate SuperExec (``isolation='process'``) if it is still running."""
+        se = self._proc("superexec-clientapp", k)
+        if se is not None and self._alive(se):
+            log.info("stopping %s (pid %d) left from the previous start", se.name, se.pid)
+            self._terminate([se], grace=5.0)
+            self._save_state()
 
     def _preforked_superexec_cmd(self) -> list[str]:
         """``flower-superexec``'s replacement (same arguments follow): this repository's
@@ -1021,7 +1085,7 @@ class Deployment:
         cmd = [
             self._bin("flower-supernode"),
             *self._tls_client_args(),
-            "--superlink", f"{_connect_host(self.host)}:{self.fleet_port}",
+            "--superlink", _hostport(_connect_host(self.host), self.fleet_port),
             "--host", "127.0.0.1",
             "--port", str(port),
             "--auth-supernode-private-key", str(private_key),
@@ -1178,6 +1242,8 @@ class Deployment:
                 return
             except DeploymentError:
                 rc = self._returncode(info)
+                if rc is not None and self.isolation == "process":
+                    self._stop_node_superexec(k)  # the failed attempt's SuperExec (retried or not)
                 if rc is None or time.monotonic() + backoff > deadline:
                     raise
                 log.info("supernode-%d exited rc=%s on restart; retry in %.0fs", k, rc, backoff)
@@ -1206,7 +1272,7 @@ class Deployment:
         # The next N whose log does not exist yet (claimed with O_EXCL), persisted at once: neither a later
         # `deploy.py run` (a new process, attach()) nor a new `up` on this run dir overwrites this run's
         # log and run config, even if another process wrote back an older counter.
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(self.logs_dir)
         n = self._run_counter + 1
         while True:
             log_path = self.logs_dir / f"flwr-run-{n}.log"
@@ -1324,6 +1390,7 @@ class Deployment:
             "insecure": self.insecure,
             "auth": self.auth,
             "host": self.host,
+            "control_host": self.control_host,
             "fleet_port": self.fleet_port,
             "control_port": self.control_port,
             "node_ports": self.node_ports,
@@ -1367,6 +1434,7 @@ class Deployment:
             insecure=st["insecure"],
             auth=st["auth"],
             host=st["host"],
+            control_host=st.get("control_host", st["host"]),  # before --control-host: both APIs on host
             fleet_port=st["fleet_port"],
             control_port=st["control_port"],
             node_ports=st["node_ports"],
@@ -1427,7 +1495,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="DISABLE SuperNode authentication: any node trusting the CA can join (warns)")  # fmt: skip
     up.add_argument("--insecure", action="store_true",
                     help="DISABLE TLS and SuperNode authentication (debugging only; warns)")  # fmt: skip
-    up.add_argument("--host", default="127.0.0.1", help="SuperLink bind address")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="bind address of the SuperLink's Fleet API (the SuperNodes connect to it)")
+    up.add_argument("--control-host", default="127.0.0.1",
+                    help="bind address of the SuperLink's Control API (flwr CLI; default 127.0.0.1). It has no "
+                         "credentials in Flower 1.39: whoever reaches it controls the federation (warns if not "
+                         "loopback)")
     up.add_argument("--fleet-port", type=int, default=9092)
     up.add_argument("--control-port", type=int, default=8000)
     up.add_argument("--node-port-base", type=int, default=9094)
@@ -1587,6 +1660,7 @@ def _up(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         auth=args.auth,
         host=args.host,
+        control_host=args.control_host,
         fleet_port=args.fleet_port,
         control_port=args.control_port,
         node_port_base=args.node_port_base,

@@ -47,6 +47,7 @@ import argparse
 import datetime as _dt
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -122,19 +123,45 @@ def node_key_name(k: int) -> str:
     return f"site-{k}"
 
 
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _valid_dns_name(name: str) -> bool:
+    """A DNS name: dot-separated labels of letters, digits and hyphens (not at a label's ends, at most 63
+    characters), at most 253 characters, optionally with a leading ``*.`` wildcard label."""
+    body = name[2:] if name.startswith("*.") else name
+    body = body[:-1] if body.endswith(".") else body
+    return 0 < len(body) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in body.split("."))
+
+
 def split_sans(names: Iterable[str]) -> tuple[list[str], list[str]]:
-    """Split SAN entries into (DNS names, IP addresses), dropping duplicates."""
+    """Split SAN entries into (DNS names, IP addresses), dropping duplicates.
+
+    IP addresses may be bracketed (``[2001:db8::5]``); a port (``host:9092``) or anything else that is
+    not a valid DNS name is a ``ValueError`` naming the entry.
+    """
     dns: list[str] = []
     ips: list[str] = []
     for raw in names:
         name = raw.strip()
         if not name:
             raise ValueError("san: empty subjectAltName entry")
+        bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
         try:
-            ip = str(ipaddress.ip_address(name))
+            ip = str(ipaddress.ip_address(bare))
         except ValueError:
-            if any(c.isspace() for c in name) or "/" in name:
-                raise ValueError(f"san: {name!r} is neither an IP address nor a DNS name")
+            if bare != name:
+                raise ValueError(f"san: {name!r}: only an IPv6 address may be written in brackets") from None
+            if ":" in name:
+                raise ValueError(
+                    f"san: {name!r} is not a DNS name or IP address (a subjectAltName has no port: "
+                    f"drop the ':PORT')"
+                ) from None
+            if not _valid_dns_name(name):
+                raise ValueError(
+                    f"san: {name!r} is neither an IP address nor a valid DNS name (labels of letters, "
+                    f"digits and hyphens separated by dots, optionally starting with '*.')"
+                ) from None
             if name.lower() not in (d.lower() for d in dns):
                 dns.append(name)
         else:

@@ -6,7 +6,7 @@
 2. Structural checks in pure Python (PyYAML): services, images pinned to 1.39.0, every flag
    accepted by the installed flwr 1.39 ``flower-superlink/-supernode/-superexec --help`` and
    by their real argument parsers, certificate/key mounts read-only and matching the files
-   ``scripts/pki.py`` writes, ports 9092/8000 published, no ``--insecure`` in the default file.
+   ``scripts/pki.py`` writes, ports 9092 and 127.0.0.1:8000 published, no ``--insecure`` in the default file.
 3. SuperNode authentication by default: the one-shot ``register-supernodes`` service registers
    every node's public key, every SuperNode starts only after it completed successfully, and its
    script (extracted from the compose file) is run for real against loopback TLS / plain-HTTP
@@ -361,7 +361,9 @@ def test_tls_and_auth_wiring(services):
 
 def test_ports_published(services):
     ports = {str(p) for p in services["superlink"]["ports"]}
-    assert {"9092:9092", "8000:8000"} <= ports
+    # the Control API (no credentials in Flower 1.39) only on the host's loopback; the Fleet API everywhere
+    assert {"9092:9092", "127.0.0.1:8000:8000"} <= ports
+    assert not any(p.split(":")[-1] == "8000" and not p.startswith("127.0.0.1:") for p in ports), ports
     for name, svc in services.items():
         if name != "superlink":
             assert "ports" not in svc, f"{name} should not publish ports"
