@@ -48,6 +48,7 @@ from torch import Tensor
 
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
+from common.fast_math import log_ratio
 from common.registry import Registry
 
 _SQRT2 = math.sqrt(2.0)
@@ -181,15 +182,8 @@ def kl_mean_field_elementwise(q: MeanFieldGaussian, p: MeanFieldGaussian) -> dic
     out = {}
     for n in q.names:
         u = (lp[n] - lq[n]) / lq[n]
-        near = u.abs() <= 0.5
-        r = lp[n] / lq[n]
         d = mq[n] - mp[n]
-        gap = torch.where(
-            near,
-            u - torch.log1p(torch.where(near, u, torch.zeros_like(u))),
-            u - torch.log(torch.where(near, torch.ones_like(r), r)),
-        )
-        out[n] = 0.5 * (gap + lp[n] * d * d)
+        out[n] = 0.5 * ((u - log_ratio(lp[n] / lq[n], u)) + lp[n] * d * d)
     return out
 
 

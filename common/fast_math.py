@@ -23,6 +23,8 @@ propagates;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -79,6 +81,18 @@ def softplus(x: Tensor, force: bool | None = None) -> Tensor:
     return _Softplus.apply(x)
 
 
+def log_ratio(ratio: Tensor, diff: Tensor, log1p_fn: Callable[[Tensor], Tensor] = torch.log1p) -> Tensor:
+    """``log(ratio)`` given ``ratio`` and ``diff = ratio - 1`` as rounded: ``log1p(diff)`` where ``|diff| <= 1/2``
+    (accurate near 1, where ``log(ratio)`` would lose digits), ``log(ratio)`` elsewhere (where ``diff`` may have
+    lost them: ``ratio - 1`` is ``-1`` in float32 for any ratio below 3e-8).  The branch not taken gets a harmless
+    argument, so autograd through it gives no ``0 * inf = NaN``.  ``log1p_fn``: :func:`log1p` on values (inside an
+    ``autograd.Function``), ``torch.log1p`` (the default) where autograd differentiates the result.  The same split
+    as the mean-field kernel's (``common/fused_meanfield.py``)."""
+    near = diff.abs() <= 0.5
+    return torch.where(near, log1p_fn(torch.where(near, diff, torch.zeros_like(diff))),
+                       torch.log(torch.where(near, torch.ones_like(ratio), ratio)))
+
+
 def all_finite(x: Tensor) -> bool:
     """Whether every element of ``x`` is finite (``torch.isfinite(x).all()``), from one sum where it can: a sum
     with a NaN or an infinity among its terms is not finite, so a finite sum proves every element finite; only
@@ -91,4 +105,4 @@ def all_finite(x: Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
-__all__ = ["MIN_NUMEL", "all_finite", "log1p", "softplus"]
+__all__ = ["MIN_NUMEL", "all_finite", "log1p", "log_ratio", "softplus"]

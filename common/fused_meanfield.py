@@ -8,7 +8,7 @@ that is about 20 element-wise kernels forward and 10 backward over every coordin
 the 159,010 coordinates of the 784-200-10 BNN with KL, 3.0 ms with Alpha-Renyi, one thread).  Here one C
 pass computes ``v`` and the divergence's sum (per-coordinate terms in float32 with the same cancellation-free
 ``log1p`` forms, by Goldberg's rewrite on the vectorised ``logf``, and the same switch to the log of the variance
-ratio itself where it is far from 1 (:func:`common.local_gvi.log_ratio`); the sum in float64), and one backward pass turns the loss's gradient w.r.t. ``v`` plus the
+ratio itself where it is far from 1 (:func:`common.fast_math.log_ratio`); the sum in float64), and one backward pass turns the loss's gradient w.r.t. ``v`` plus the
 divergence's analytic gradient into the gradients w.r.t. ``m`` and ``r``
 (``d/dr = (g_v + g_D dD/dv) 2 sigma sigmoid(r)``).
 

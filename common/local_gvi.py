@@ -62,7 +62,7 @@ from common.explicit_step import OneHiddenLayerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common import fused_meanfield
 from common.adam import Adam
-from common.fast_math import all_finite, log1p
+from common.fast_math import all_finite, log1p, log_ratio
 from common.quadratic import QuadraticLoss
 from common.variational import DEFAULT_MIN_SCALE, MeanFieldVariational, VariationalGaussian, variational_for
 
@@ -385,7 +385,8 @@ class MeanFieldMomentDivergence:
       ``1 + a = alpha + (1 - alpha) r <= 0``, i.e. where ``alpha lambda_q + (1 - alpha) lambda_p <= 0``.
 
     ``log1p(u)`` (and ``log1p(v)``) is the log of the ratio ``r`` (``1/r``): it is taken as ``log1p`` of the
-    difference only where that is within 1/2 of 0 and as ``log`` of the ratio itself elsewhere (:func:`log_ratio`),
+    difference only where that is within 1/2 of 0 and as ``log`` of the ratio itself elsewhere
+    (:func:`common.fast_math.log_ratio`),
     because in float32 ``r - 1`` rounds to ``-1`` for ``r < 3e-8`` (a variance 10^8 times narrower than the
     cavity's: the divergence was ``inf``) and loses digits well before.  For the same reason the Alpha-Renyi
     gradient's ``lambda_p / (1 + u)`` is written ``1 / v``.
@@ -425,13 +426,6 @@ class MeanFieldMomentDivergence:
         return total
 
 
-def log_ratio(ratio: Tensor, diff: Tensor) -> Tensor:
-    """``log(ratio)`` given ``ratio`` and ``diff = ratio - 1`` as rounded: ``log1p(diff)`` where ``|diff| <= 1/2``
-    (accurate near 1, where ``log(ratio)`` would lose digits), ``log(ratio)`` elsewhere (where ``diff`` may have
-    lost them: ``ratio - 1`` is ``-1`` in float32 for any ratio below 3e-8)."""
-    return torch.where(diff.abs() <= 0.5, log1p(diff), torch.log(ratio))
-
-
 class _MomentDivergenceFn(torch.autograd.Function):
     """``c * sum_i f(mu_i, v_i)`` for one tensor with the analytic gradient (``c = weight / 2``).
 
@@ -445,7 +439,7 @@ class _MomentDivergenceFn(torch.autograd.Function):
                    df/dmu = 2 lambda_p d / (1 + a);
                    df/dv = -(1 - alpha) lambda_p^2 d^2 / (1 + a)^2 + (lambda_p / (1 + a) - 1/v) / alpha
 
-    (``log1p(u)``, ``log1p(w)``: :func:`log_ratio` of ``lambda_p v``, ``1 / (lambda_p v)``.)
+    (``log1p(u)``, ``log1p(w)``: :func:`common.fast_math.log_ratio` of ``lambda_p v``, ``1 / (lambda_p v)``.)
     """
 
     @staticmethod
@@ -454,12 +448,12 @@ class _MomentDivergenceFn(torch.autograd.Function):
         if kind == "kl":
             r = torch.mul(lam_p, var)
             u = r - 1.0
-            val = u.sub(log_ratio(r, u)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
+            val = u.sub(log_ratio(r, u, log1p)).sum() + torch.dot((lam_p * d).reshape(-1), d.reshape(-1))
             ctx.save_for_backward(d, var, lam_p)
         elif kind == "reverse_kl":
             r = torch.mul(lam_p, var).reciprocal_()
             w = r - 1.0
-            val = w.sub(log_ratio(r, w)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
+            val = w.sub(log_ratio(r, w, log1p)).sum() + torch.dot((d / var).reshape(-1), d.reshape(-1))
             ctx.save_for_backward(d, var, lam_p)
         else:
             r = torch.mul(lam_p, var)
@@ -471,7 +465,7 @@ class _MomentDivergenceFn(torch.autograd.Function):
                 raise DivergenceUndefinedError.alpha_renyi(alpha, int((~(a_all > -1.0)).sum()), u.numel(), name)
             a = u * (1.0 - alpha)
             inv1a = torch.reciprocal(a + 1.0)
-            log_term = log1p(a).sub_(log_ratio(r, u), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
+            log_term = log1p(a).sub_(log_ratio(r, u, log1p), alpha=1.0 - alpha).sum() / (alpha * (alpha - 1.0))
             val = torch.dot((lam_p * d * d).reshape(-1), inv1a.reshape(-1)) - log_term
             ctx.save_for_backward(d, var, lam_p, inv1a)
         ctx.kind, ctx.alpha, ctx.c = kind, alpha, c
