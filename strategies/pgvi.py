@@ -1102,7 +1102,7 @@ class PGVIStrategy(Strategy):
         not run once per Delta here: the batch's own step decides, and :meth:`_drop_rejected` finds a Delta it
         rejects on its own; any other step is run with the Delta alone."""
         st = self.state
-        assert st.posterior is not None and st.global_site is not None
+        assert st.posterior is not None
         what = "server posterior after this Delta"
         if st.server_step is kl_server_step:
             (st.posterior * delta).check_proper(what)
@@ -1111,7 +1111,14 @@ class PGVIStrategy(Strategy):
             if w is not None:
                 (st.posterior * delta ** w).check_proper(what)
         else:  # another step (a wrapper, a plug-in): run it
-            st.server_step(st.prior, st.global_site * delta).check_proper(what)
+            self._step_alone(delta)
+
+    def _step_alone(self, delta: GaussianFactor) -> GaussianFactor:
+        """The server step run on the global site times ``delta`` alone, checked proper (a :class:`PGVIError` if
+        not)."""
+        st = self.state
+        assert st.global_site is not None
+        return st.server_step(st.prior, st.global_site * delta).check_proper("server posterior after this Delta alone")
 
     def _drop_rejected(self, rnd: int, ok: list[Reply], err: UpdateRejected, stats: RoundStats) -> list[Reply]:
         """The Deltas of ``ok`` to try again (re-aggregated) after the server rejected the batch with ``err``.
@@ -1140,10 +1147,8 @@ class PGVIStrategy(Strategy):
     def _rejected_alone(self, d: Reply) -> str | None:
         """Why the server would reject ``d``'s Delta were it the only one of its batch, else ``None``: the server
         step (not only the KL product checked on decoding) applied to the global site times this Delta."""
-        st = self.state
-        assert st.global_site is not None
         try:
-            st.server_step(st.prior, st.global_site * d.delta).check_proper("server posterior after this Delta alone")
+            self._step_alone(d.delta)
         except PGVIError as err:
             return str(err)
         except Exception as err:  # numerical failure on an extreme input: this Delta's, never a crash
