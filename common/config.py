@@ -232,10 +232,9 @@ class RunConfig(BaseModel):
                           f"'{self.dataset}' is a classification dataset")
         if self.model in ("logistic_regression", "bnn") and self.dataset in regression:
             errors.append(f"dataset: model '{self.model}' is a classifier; '{self.dataset}' has real-valued targets")
-        if self.model in REGRESSION_MODELS or self.dataset in regression:
-            if self.partitioner in LABEL_PARTITIONERS:
-                errors.append(f"partitioner: '{self.partitioner}' splits by class; '{self.dataset}' has real-valued "
-                              "targets (use 'iid' or 'size_skew')")
+        if self.real_valued_targets and self.partitioner in LABEL_PARTITIONERS:
+            errors.append(f"partitioner: '{self.partitioner}' splits by class; '{self.dataset}' has real-valued "
+                          "targets (use 'iid' or 'size_skew')")
         errors.extend(self._prior_errors())
         if self.family == "full_covariance" and self.model == "bnn":
             errors.append("family: a BNN needs family 'mean_field'")
@@ -256,11 +255,16 @@ class RunConfig(BaseModel):
             raise ValueError("; ".join(errors))
         return self
 
+    @property
+    def real_valued_targets(self) -> bool:
+        """A regression model or dataset: no class labels to partition by or to flip."""
+        return self.model in REGRESSION_MODELS or self.dataset in REGRESSION_DATASETS
+
     def ignored_label_noise(self) -> str | None:
         """Why ``label-noise`` does nothing in this run (real-valued targets have no class labels to flip), or
         ``None``.  Not an error: the app's default (0.2, for the embedded classification job) would otherwise
         have to be overridden by every regression run; the server logs it before round 1 instead."""
-        if self.label_noise > 0 and (self.model in REGRESSION_MODELS or self.dataset in REGRESSION_DATASETS):
+        if self.label_noise > 0 and self.real_valued_targets:
             return (f"label-noise = {self.label_noise} flips class labels; '{self.dataset}' has real-valued targets, "
                     "so no contamination is applied")
         return None
