@@ -855,6 +855,16 @@ class Deployment:
                     f"--supernodes {self.num_nodes}{san_args}` (needs ca.key)"
                 )
 
+    @property
+    def control_address(self) -> str:
+        """``host:port`` a client on this machine uses for the SuperLink's Control API."""
+        return _hostport(_connect_host(self.control_host), self.control_port)
+
+    @property
+    def fleet_address(self) -> str:
+        """``host:port`` a SuperNode on this machine uses for the SuperLink's Fleet API."""
+        return _hostport(_connect_host(self.host), self.fleet_port)
+
     def host_sans(self) -> list[str]:
         """Extra SANs the SuperLink certificate needs for ``host`` and ``control_host``: none for loopback,
         ``localhost`` and the wildcard addresses (clients then connect to 127.0.0.1), else the address."""
@@ -876,7 +886,7 @@ class Deployment:
         return out
 
     def _write_cli_config(self) -> Path:
-        conn: dict[str, Any] = {"address": _hostport(_connect_host(self.control_host), self.control_port)}
+        conn: dict[str, Any] = {"address": self.control_address}
         if self.insecure:
             conn["insecure"] = True
         else:
@@ -970,7 +980,7 @@ class Deployment:
                 [
                     self._bin("flower-superexec"),
                     *self._tls_client_args(),
-                    "--runtime-api-address", _hostport(_connect_host(self.control_host), self.control_port),
+                    "--runtime-api-address", self.control_address,
                 ],  # fmt: skip
                 self.run_dir / "homes" / "superexec-serverapp",
             )
@@ -979,7 +989,7 @@ class Deployment:
         host = _connect_host(self.host)
         scheme = "http" if self.insecure else "https"
         ctx = None if self.insecure else ssl.create_default_context(cafile=str(self.ca_cert))
-        url = f"{scheme}://{_hostport(_connect_host(self.control_host), self.control_port)}/health"
+        url = f"{scheme}://{self.control_address}/health"
         deadline = time.monotonic() + timeout
         health_ok = False
         tls_error: BaseException | None = None  # the last TLS failure of the health check
@@ -1025,7 +1035,7 @@ class Deployment:
         cmd = [
             *self._supernode_cmd(),
             *self._tls_client_args(),
-            "--superlink", _hostport(_connect_host(self.host), self.fleet_port),
+            "--superlink", self.fleet_address,
             "--host", "127.0.0.1",
             "--port", str(port),
             "--isolation", self.isolation,
@@ -1085,7 +1095,7 @@ class Deployment:
         cmd = [
             self._bin("flower-supernode"),
             *self._tls_client_args(),
-            "--superlink", _hostport(_connect_host(self.host), self.fleet_port),
+            "--superlink", self.fleet_address,
             "--host", "127.0.0.1",
             "--port", str(port),
             "--auth-supernode-private-key", str(private_key),
