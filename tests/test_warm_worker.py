@@ -195,10 +195,8 @@ def test_sigterm_stops_the_worker_and_removes_socket_and_key(tmp_path):
 # --------------------------------------------------------------------------- timeouts
 
 
-def _bounded(fn, limit: float) -> tuple[bool, dict, float]:
-    """Run ``fn`` in a daemon thread for at most ``limit`` s: (finished, {"value"|"error": ...}, seconds).
-
-    Without the timeouts ``fn`` blocked forever; the fake worker's teardown then releases the thread."""
+def _in_background(fn) -> tuple[threading.Thread, dict]:
+    """Start ``fn`` in a daemon thread: (thread, {"value"|"error": ...} once it is done)."""
     out: dict = {}
 
     def run() -> None:
@@ -207,9 +205,17 @@ def _bounded(fn, limit: float) -> tuple[bool, dict, float]:
         except BaseException as err:  # noqa: BLE001 - handed to the test
             out["error"] = err
 
-    t0 = time.monotonic()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    return thread, out
+
+
+def _bounded(fn, limit: float) -> tuple[bool, dict, float]:
+    """Run ``fn`` in a daemon thread for at most ``limit`` s: (finished, {"value"|"error": ...}, seconds).
+
+    Without the timeouts ``fn`` blocked forever; the fake worker's teardown then releases the thread."""
+    t0 = time.monotonic()
+    thread, out = _in_background(fn)
     thread.join(limit)
     return not thread.is_alive(), out, time.monotonic() - t0
 

@@ -30,7 +30,7 @@ import pytest
 import client.app as app_module
 from client import warm_worker
 from client.node_request import Request
-from tests.test_warm_worker import _stop_worker
+from tests.test_warm_worker import _bounded, _in_background, _stop_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 RAW = {"model": "gaussian_location", "dataset": "synthetic_gaussian_location", "family": "full_covariance",
@@ -72,29 +72,6 @@ def _start_worker(sock: Path, *, stale_key: bytes | None = None) -> subprocess.P
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_ready(proc, sock, stale_key=stale_key)
     return proc
-
-
-def _in_background(fn) -> tuple[threading.Thread, dict]:
-    """Start ``fn`` in a daemon thread: (thread, {"value"|"error": ...} once it is done)."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            out["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
-
-
-def _bounded(fn, limit: float) -> tuple[bool, dict]:
-    """Run ``fn`` for at most ``limit`` s: (finished, {"value"|"error": ...}).  A call that blocks forever fails
-    the test instead of hanging it."""
-    thread, out = _in_background(fn)
-    thread.join(limit)
-    return not thread.is_alive(), out
 
 
 def _file_id(path: Path) -> tuple[int, int]:
@@ -164,7 +141,7 @@ def test_worker_dying_mid_request_is_unavailable_and_the_clientapp_falls_back(tm
     computed, logged = fallback_handle
     fake = _DyingWorker(tmp_path / "call", mode)
     try:
-        done, out = _bounded(lambda: warm_worker.call(fake.sock, _request("evaluate"), timeout=30), 60)
+        done, out, _ = _bounded(lambda: warm_worker.call(fake.sock, _request("evaluate"), timeout=30), 60)
     finally:
         fake.close()
     assert done, out
@@ -177,7 +154,7 @@ def test_worker_dying_mid_request_is_unavailable_and_the_clientapp_falls_back(tm
     fake = _DyingWorker(tmp_path / "app", mode)
     try:
         ctx = SimpleNamespace(node_config={"compute-worker": str(fake.sock), "compute-worker-timeout-s": 30})
-        done, out = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
+        done, out, _ = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
     finally:
         fake.close()
     assert done and out.get("value") == "computed in the ClientApp", out
@@ -190,7 +167,7 @@ def test_a_reply_the_clientapp_cannot_unpickle_is_unavailable(tmp_path, fallback
     fake = _DyingWorker(tmp_path / "w", "garbage")
     try:
         ctx = SimpleNamespace(node_config={"compute-worker": str(fake.sock), "compute-worker-timeout-s": 30})
-        done, out = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
+        done, out, _ = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
     finally:
         fake.close()
     assert done and out.get("value") == "computed in the ClientApp", out
@@ -256,7 +233,7 @@ def test_a_request_the_worker_cannot_unpickle_leaves_it_serving(tmp_path, monkey
     sock = tmp_path / "node" / "worker.sock"
     proc = _start_worker(sock)
     try:
-        done, out = _bounded(lambda: warm_worker.call(sock, _OnlyInTheClientApp(), timeout=60), 90)
+        done, out, _ = _bounded(lambda: warm_worker.call(sock, _OnlyInTheClientApp(), timeout=60), 90)
         assert done, out
         err = out.get("error")
         assert isinstance(err, warm_worker.WorkerUnavailable), out  # the ClientApp falls back
@@ -271,7 +248,7 @@ def test_a_request_the_worker_cannot_unpickle_leaves_it_serving(tmp_path, monkey
         assert status == "unreadable" and kind == "UnpicklingError", (status, kind)
 
         ctx = SimpleNamespace(node_config={"compute-worker": str(sock), "compute-worker-timeout-s": 60})
-        done, out = _bounded(lambda: app_module._compute(_OnlyInTheClientApp(), ctx), 90)
+        done, out, _ = _bounded(lambda: app_module._compute(_OnlyInTheClientApp(), ctx), 90)
         assert done and out.get("value") == "computed in the ClientApp", out
         assert [lv for lv, m in logged if "could not read the request" in m] == [30], logged
 
