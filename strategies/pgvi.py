@@ -74,6 +74,7 @@ _RETRY_BACKOFF_MAX = 5.0  # seconds between two attempts of a failing Runtime AP
 _QUERY_TIMEOUT_MAX = 60.0  # seconds a mid-run identity query may block the schedule
 POLL_FACTOR = 1.5  # growth of the wait between two pulls for replies while none arrives (up to poll_max)
 _REQUERY_FIRST, _REQUERY_MAX = 30.0, 600.0  # backoff before asking an unidentified node again (doubles)
+RESEND_FIRST, RESEND_MAX = 1.0, 30.0  # asynchronous: wait before re-sending to a node whose message failed (doubles)
 
 
 def _sleep_until(seconds: float, until: float) -> None:
@@ -256,6 +257,8 @@ class PGVIStrategy(Strategy):
         checkpoint_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
         retry_backoff: float = 0.5,
+        resend_first: float = RESEND_FIRST,
+        resend_max: float = RESEND_MAX,
     ) -> None:
         self.problem = problem
         self.cfg = problem.cfg
@@ -272,6 +275,10 @@ class PGVIStrategy(Strategy):
         GeometricBackoff(poll_interval, poll_max, POLL_FACTOR)  # a bad pair fails here, not in round 1
         self.poll_interval, self.poll_max = poll_interval, poll_max
         self.retry_backoff = retry_backoff  # first wait after a transient Runtime API error (doubles per retry)
+        # asynchronous: a node whose message failed is sent its next one after resend_first seconds, doubling with
+        # each further failure up to resend_max; any other outcome (a reply, even a rejected one) resets it
+        GeometricBackoff(resend_first, resend_max, 2.0)  # a bad pair fails here, not in round 1
+        self.resend_first, self.resend_max = resend_first, resend_max
         self.rng = random.Random(self.cfg.seed)
         self.rho = self.cfg.rho()
         self._posterior_record: tuple[int, ArrayRecord, str] | None = None  # (version, wire record, its layout)
@@ -591,10 +598,16 @@ class PGVIStrategy(Strategy):
         return listed + rest
 
     def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
-        """Keep one message in flight per client; a 'round' is num-clients applied-or-rejected updates."""
+        """Keep one message in flight per client; a 'round' is num-clients outcomes (applied, rejected or failed).
+
+        A node whose message failed (an error reply, a failed push, a timeout) is sent its next message only after
+        a back-off (``resend_first`` seconds, doubling per further failure up to ``resend_max``; any other outcome
+        resets it): a client that fails at once would otherwise be re-sent at every poll and fill the remaining
+        rounds with its failures while a healthy client's update is still being computed."""
         per_round = max(1, len(self._known_nodes(grid)))  # a 'round' = num-clients updates, whatever fraction-train
         inflight: dict[str, tuple[int, float, int]] = {}  # message id -> (node id, sent time, posterior version)
         busy: set[int] = set()
+        resend_at: dict[int, tuple[float, GeometricBackoff]] = {}  # failing node -> (earliest next send, its back-off)
         rnd, stats = self.round_completed + 1, RoundStats()
         deadline = time.time() + timeout * num_rounds
 
@@ -602,6 +615,14 @@ class PGVIStrategy(Strategy):
         poll = self._reply_poll()
         usable: list[int] = []  # the nodes the last dispatch could use (connected, identified, not excluded)
         self._failing = set()
+
+        def outcome(node: int, failed: bool, applied: bool = False) -> None:
+            self._note_outcome(node, failed, applied)
+            if not failed:
+                resend_at.pop(node, None)
+                return
+            backoff = resend_at[node][1] if node in resend_at else GeometricBackoff(self.resend_first, self.resend_max, 2.0)
+            resend_at[node] = (time.time() + backoff.next_wait(), backoff)
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
             nonlocal resolved
@@ -620,7 +641,8 @@ class PGVIStrategy(Strategy):
             if not inflight:
                 self._await_clients(grid, rnd)
             usable = self._sample_nodes(grid, fraction=1.0)
-            free = [n for n in usable if n not in busy]
+            now = time.time()
+            free = [n for n in usable if n not in busy and resend_at.get(n, (0.0,))[0] <= now]
             if free:
                 msgs = [self._train_message(n, rnd) for n in free]
                 with stats.timed("push"):
@@ -630,7 +652,7 @@ class PGVIStrategy(Strategy):
                     stats.failed += len(msgs)
                     resolved += len(msgs)
                     for msg in msgs:
-                        self._note_outcome(msg.metadata.dst_node_id, failed=True)
+                        outcome(msg.metadata.dst_node_id, failed=True)
                     log(WARNING, "round %d: %d message(s) could not be pushed; those clients keep their old sites", rnd, len(msgs))
                     stats.sent += len(msgs)
                     rnd, stats = close_if_full(rnd, stats)
@@ -669,7 +691,7 @@ class PGVIStrategy(Strategy):
                     with stats.timed("apply"):
                         self._apply_batch(rnd, [d], stats)
                 if sent_version >= 0:  # the outcome of a message in flight (not a duplicate)
-                    self._note_outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
+                    outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
                 rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
             now = time.time()
             for mid, (node, sent, _) in list(inflight.items()):
@@ -678,14 +700,16 @@ class PGVIStrategy(Strategy):
                     busy.discard(node)
                     stats.failed += 1
                     resolved += 1
-                    self._note_outcome(node, failed=True)
+                    outcome(node, failed=True)
                     log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)
             if replies:
                 poll.reset()
             else:
-                # wake for the run's deadline and the next in-flight message's timeout, whatever the back-off
-                wake = min([deadline] + [sent + timeout for _, sent, _ in inflight.values()])
+                # wake for the run's deadline, the next in-flight message's timeout and the next resend to a failing
+                # node, whatever the back-off
+                wake = min([deadline] + [sent + timeout for _, sent, _ in inflight.values()]
+                           + [at for n, (at, _) in resend_at.items() if n in usable and n not in busy])
                 with stats.timed("wait"):
                     _sleep_until(poll.next_wait(), wake)
         # let in-flight replies arrive so that no client is left with an unresolved pending update

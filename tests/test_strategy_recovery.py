@@ -160,7 +160,9 @@ def test_asynchronous_run_continues_while_a_healthy_client_works():
     nodes[0]["fault"] = "crash-before-reply"  # site-0: every message errors at once
     grid = _GatedGrid(client_app, nodes, raw)
     grid.failing, grid.healthy = sorted(grid.contexts)
-    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, poll_max=0.001)
+    # no resend back-off: the gate counts site-0's messages (the back-off has its own tests,
+    # tests/test_async_resend_backoff.py); this one is about the stop rule
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, poll_max=0.001, resend_first=0.0, resend_max=0.0)
     strategy.start(grid)  # before the fix: AllClientsFailed in round 2 (two failures of site-0, nothing applied)
     rows = [r for r in strategy.history if r["round"] >= 1]
     assert len(rows) == 8
@@ -178,7 +180,7 @@ def test_run_stops_when_every_client_always_fails(schedule):
         grid.failing, grid.healthy = sorted(grid.contexts)
     else:
         grid = InProcessGrid(client_app, nodes, raw)
-    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, poll_max=0.001)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, poll_max=0.001, resend_first=0.0, resend_max=0.0)
     with pytest.raises(AllClientsFailed, match="crashed before staging"):
         strategy.start(grid)
     assert sum(strategy.ledger_versions.values()) == 0

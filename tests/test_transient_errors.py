@@ -118,7 +118,7 @@ def _run(schedule: str = "synchronous", overrides: dict | None = None, **grid_kw
     cfg = parse_run_config(raw)
     nodes = [{"partition-id": m, "num-partitions": cfg.num_clients, "client-id": f"site-{m}"} for m in range(cfg.num_clients)]
     grid = FlakyGrid(client_app, nodes, raw, **grid_kwargs)
-    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, retry_backoff=0.0)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, retry_backoff=0.0, resend_first=0.0, resend_max=0.0)
     strategy.start(grid)
     return cfg, strategy, grid
 
