@@ -46,22 +46,28 @@ DEFAULT_NUM_BINS = 15
 _ROW_SUM_ATOL = 1e-4
 
 
-def _check(probs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    p = np.asarray(probs, dtype=np.float64)
+def _check_labels(y: np.ndarray, n: int, num_classes: int) -> np.ndarray:
+    """``n`` integer labels in ``[0, num_classes)`` as int64 (integral floats accepted), else ValueError."""
     labels = np.asarray(y)
-    if p.ndim != 2 or p.shape[1] < 2:
-        raise ValueError(f"probs must have shape (N, C) with C >= 2, got {p.shape}")
-    if p.shape[0] == 0:
-        raise ValueError("probs is empty: metrics of zero points are undefined")
-    if labels.ndim != 1 or labels.shape[0] != p.shape[0]:
-        raise ValueError(f"labels must have shape ({p.shape[0]},), got {labels.shape}")
+    if labels.ndim != 1 or labels.shape[0] != n:
+        raise ValueError(f"labels must have shape ({n},), got {labels.shape}")
     if not np.issubdtype(labels.dtype, np.integer):
         if np.issubdtype(labels.dtype, np.floating) and np.all(labels == np.round(labels)):
             labels = labels.astype(np.int64)
         else:
             raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
-    if labels.min() < 0 or labels.max() >= p.shape[1]:
-        raise ValueError(f"labels must lie in [0, {p.shape[1]}), got min {labels.min()}, max {labels.max()}")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"labels must lie in [0, {num_classes}), got min {labels.min()}, max {labels.max()}")
+    return labels.astype(np.int64)
+
+
+def _check(probs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    p = np.asarray(probs, dtype=np.float64)
+    if p.ndim != 2 or p.shape[1] < 2:
+        raise ValueError(f"probs must have shape (N, C) with C >= 2, got {p.shape}")
+    if p.shape[0] == 0:
+        raise ValueError("probs is empty: metrics of zero points are undefined")
+    labels = _check_labels(y, p.shape[0], p.shape[1])
     if not np.all(np.isfinite(p)):
         raise ValueError("probs contains NaN or infinity")
     if p.min() < 0 or p.max() > 1:
@@ -69,7 +75,7 @@ def _check(probs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     worst = float(np.max(np.abs(p.sum(axis=1) - 1.0)))
     if worst > _ROW_SUM_ATOL:
         raise ValueError(f"each row of probs must sum to 1 (largest deviation {worst:.3g})")
-    return p, labels.astype(np.int64)
+    return p, labels
 
 
 def binary_probs(p1: np.ndarray) -> np.ndarray:
@@ -94,14 +100,21 @@ def negative_log_likelihood(probs: np.ndarray, y: np.ndarray, floor: float = NLL
         return float(np.mean(-np.log(np.maximum(picked, floor))))
 
 
-def negative_log_likelihood_from_log_probs(log_probs: np.ndarray, y: np.ndarray) -> float:
-    """Mean ``-log p(y_n)`` from the predictive's log-probabilities ``(N, C)`` (no floor)."""
+def _check_log_probs(log_probs: np.ndarray) -> np.ndarray:
+    """``(N, C)`` log-probabilities as float64, each ``<= 0``: values in ``(0, 1e-6]`` (rounding of a certain
+    class's ``log 1``) are set to 0; NaN or anything larger is a ValueError."""
     lp = np.asarray(log_probs, dtype=np.float64)
-    labels = np.asarray(y).astype(np.int64)
-    if lp.ndim != 2 or lp.shape[0] != labels.shape[0]:
-        raise ValueError(f"log_probs must have shape ({labels.shape[0]}, C), got {lp.shape}")
+    if lp.ndim != 2 or lp.shape[1] < 2 or lp.shape[0] == 0:
+        raise ValueError(f"log_probs must have shape (N, C) with N >= 1 and C >= 2, got {lp.shape}")
     if np.any(np.isnan(lp)) or np.any(lp > 1e-6):
         raise ValueError("log_probs must be <= 0 and not NaN")
+    return np.minimum(lp, 0.0)
+
+
+def negative_log_likelihood_from_log_probs(log_probs: np.ndarray, y: np.ndarray) -> float:
+    """Mean ``-log p(y_n)`` from the predictive's log-probabilities ``(N, C)`` (no floor)."""
+    lp = _check_log_probs(log_probs)
+    labels = _check_labels(y, lp.shape[0], lp.shape[1])
     worst = float(np.max(np.abs(np.logaddexp.reduce(lp, axis=1))))
     if worst > _ROW_SUM_ATOL:
         raise ValueError(f"each row of exp(log_probs) must sum to 1 (largest log-sum {worst:.3g})")
@@ -210,7 +223,7 @@ def classification_metrics_from_log_probs(
     """:func:`classification_metrics` of a predictive given by its log-probabilities ``(N, C)``: the NLL is
     exact, the other metrics use ``exp(log_probs)``.  With ``bin_sums`` also the ECE's per-bin sums
     (:func:`calibration_bin_sums`) under the keys :func:`bin_sum_key`, from the same probabilities."""
-    lp = np.asarray(log_probs, dtype=np.float64)
+    lp = _check_log_probs(log_probs)
     p = np.exp(lp)
     out = classification_metrics(p, y, num_bins, log_probs=lp)
     if bin_sums:

@@ -129,7 +129,9 @@ class LikelihoodModel(ABC):
                 total = part if total is None else torch.logaddexp(total, part)
                 done += s
         assert total is not None
-        return total - math.log(n_samples)
+        # a class certain under every draw has log p = 0; the chained logaddexp (one rounding per chunk) can put
+        # it a few ulps above 0, which no log-probability may be (exp would exceed 1 and the metrics refuse it)
+        return (total - math.log(n_samples)).clamp_(max=0.0)
 
 
 MODELS: Registry[LikelihoodModel] = Registry("model")
@@ -531,7 +533,8 @@ class BayesianMLP(LikelihoodModel):
         with torch.no_grad():
             for start in range(0, b, chunk):
                 out = self.output_local_reparam(mean, var, x[start:start + chunk], n_samples, generator=generator)
-                parts.append(torch.logsumexp(out.log_probs.double(), 0) - math.log(n_samples))
+                # clamped as in LikelihoodModel.predictive_log_probs: rounding must not lift log p above 0
+                parts.append((torch.logsumexp(out.log_probs.double(), 0) - math.log(n_samples)).clamp_(max=0.0))
         if not parts:
             return torch.zeros((0, self.num_classes), dtype=torch.float64)
         return torch.cat(parts)

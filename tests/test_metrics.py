@@ -13,8 +13,10 @@ from common.metrics import (
     binary_probs,
     brier_score,
     classification_metrics,
+    classification_metrics_from_log_probs,
     expected_calibration_error,
     negative_log_likelihood,
+    negative_log_likelihood_from_log_probs,
     reliability_bins,
 )
 
@@ -228,3 +230,26 @@ def test_ece_from_bin_sums_refuses_impossible_bins():
     with pytest.raises(ValueError, match="<= count"):
         ece_from_bin_sums(np.array([2.0]), np.array([1.0]), np.array([-1.0]))
     assert ece_from_bin_sums(np.array([2.0, 0.0]), np.array([1.8, 0.0]), np.array([1.0, 0.0])) == pytest.approx(0.4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# log-probabilities a few ulps above 0 (a class certain under every posterior draw) and label checks of the
+# log-probability NLL
+def test_log_probs_rounded_above_zero_are_a_certain_class_not_an_error():
+    lp = np.log(np.array([[1.0 - 1e-25, 1e-25 / 2, 1e-25 / 2], [0.2, 0.3, 0.5]]))
+    lp[0, 0] = 8.9e-16  # what a chained logaddexp of 200 draws of log 1 gives
+    m = classification_metrics_from_log_probs(lp, np.array([0, 2]))
+    assert m["accuracy"] == 1.0
+    assert m["nll"] == pytest.approx(-0.5 * math.log(0.5))  # point 0 contributes exactly 0
+    assert 0.0 <= m["ece"] <= 1.0 and 0.0 <= m["brier"] <= 2.0
+    assert negative_log_likelihood_from_log_probs(lp, np.array([0, 2])) == m["nll"]
+    with pytest.raises(ValueError, match="<= 0"):  # more than rounding is still refused
+        classification_metrics_from_log_probs(lp + np.array([[1e-3, 0, 0], [0, 0, 0]]), np.array([0, 2]))
+
+
+@pytest.mark.parametrize("labels, match", [([-1, 1], r"\[0, 3\)"), ([0, 3], r"\[0, 3\)"), ([0.0, 1.9], "integers"),
+                                           ([0], r"shape \(2,\)")])
+def test_log_prob_nll_checks_the_labels_like_every_other_metric(labels, match):
+    lp = np.log(np.full((2, 3), 1 / 3))
+    with pytest.raises(ValueError, match=match):
+        negative_log_likelihood_from_log_probs(lp, np.array(labels))

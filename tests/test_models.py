@@ -412,3 +412,22 @@ def test_predictive_log_probs_are_the_log_of_the_predictive_and_exact_where_it_u
     assert torch.isfinite(lp_big).all() and lp_big.min() < -800  # exp() of it is 0 even in float64
     assert (model.predictive_probs(big, x, 7, generator=torch.Generator().manual_seed(2)) == 0).any()
     torch.testing.assert_close(torch.logsumexp(lp_big, -1), torch.zeros(len(x), dtype=torch.float64))
+
+
+def test_chunked_predictive_of_a_certain_class_never_exceeds_log_one():
+    """Softmax regression on 600 points of 784 features draws one posterior sample per chunk, so the mixture is a
+    chain of 200 logaddexps; with a class certain under every draw the chain's rounding used to leave log p at
+    +4e-16..9e-16 and the server's metrics refused exp(log p) > 1 (every round's evaluation raised)."""
+    from common.evaluation import evaluate_posterior
+    from common.problem import Problem
+
+    m = make_model("logistic_regression", in_features=784, num_classes=10)
+    mean = torch.zeros(m.num_params, dtype=torch.float64)
+    mean.view(10, 785)[3, 784] = 60.0  # class-3 bias: p(3 | x) = 1 - 1e-25 under every draw
+    q = MeanFieldGaussian.from_mean_variance({"theta": mean}, {"theta": torch.full_like(mean, 1e-4)})
+    x = np.random.default_rng(0).random((600, 784)) * 0.01
+    lp = m.predictive_log_probs(q, torch.as_tensor(x), 200, generator=torch.Generator().manual_seed(0))
+    assert float(lp.max()) <= 0.0
+    prob = Problem(None, m, None, None, None, None, None, torch.float64)
+    out = evaluate_posterior(prob, q, x, np.full(600, 3), 200, seed=0)
+    assert out["accuracy"] == 1.0 and out["nll"] < 1e-20
