@@ -33,8 +33,10 @@ from client.node_request import InjectedFault, Request, Result, Scalar, node_run
 class PGVIClient(NumPyClient):
     """One PGVI client: its data shard, its state (site + pending update) and the shared problem."""
 
-    def __init__(self, problem: Problem, shard: ArraysSplit, client_id: str, state: ClientState) -> None:
+    def __init__(self, problem: Problem, shard: ArraysSplit, client_id: str, state: ClientState,
+                 partition_id: int = 0) -> None:
         self.problem = problem
+        self.partition_id = partition_id  # selects this client's random stream (common.client_update.local_seed)
         self.shard = shard
         self.client_id = client_id
         self.state = state
@@ -93,7 +95,7 @@ class PGVIClient(NumPyClient):
         try:
             posterior = self._factor(parameters[:n])
             site = self.problem.prior.from_numpy(self.state.site) if self.state.site is not None else self.problem.prior.zeros_like()
-            res = client_step(self.problem, posterior, site, self.x, self.y, rho, step_seed=int(config.get("server-round", 0)))
+            res = client_step(self.problem, posterior, site, self.x, self.y, rho, step_seed=int(config.get("server-round", 0)), stream=self.partition_id)
         except PGVIError as err:
             return [], 0, self._reply(P.STATUS_FAILED, self.state.version, config, f"{type(err).__name__}: {err}")
         tag = self.state.stage(res.new_site.to_numpy())
@@ -153,7 +155,7 @@ def handle(req: Request) -> Result:
 
 def _serve(req: Request, cfg: RunConfig, partition_id: int, client_id: str) -> Result:
     problem, shard = _problem_and_shard(cfg, partition_id)
-    client = PGVIClient(problem, shard, client_id, req.state)
+    client = PGVIClient(problem, shard, client_id, req.state, partition_id)
     arrays = [req.posterior[k] for k in client.names]
     if req.kind == "evaluate":
         _, _, metrics = client.evaluate(arrays, req.config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from common.conjugate import conjugate_local_posterior, supports_conjugate
@@ -45,6 +46,15 @@ def _initial_q(problem: Problem, posterior: GaussianFactor, cav: GaussianFactor,
     return posterior if problem.local.init == "posterior" else cav
 
 
+def local_seed(seed: int, step: int, stream: int) -> int:
+    """The local optimiser's seed for one client step: a separate stream for every (run seed, round, client).
+
+    Clients of one round must not share their Monte Carlo draws and minibatch order (with one seed per round
+    their estimation errors are correlated and do not average out in the server's sum of Deltas)."""
+    mask = (1 << 64) - 1  # SeedSequence takes non-negative entropy
+    return int(np.random.SeedSequence([seed & mask, step & mask, stream & mask]).generate_state(1)[0])
+
+
 def client_step(
     problem: Problem,
     posterior: GaussianFactor,
@@ -53,8 +63,12 @@ def client_step(
     y: torch.Tensor,
     rho: float,
     step_seed: int = 0,
+    stream: int = 0,
 ) -> ClientStepResult:
-    """Cavity -> local GVI -> damped Delta.  Raises ImproperDistributionError on an improper cavity."""
+    """Cavity -> local GVI -> damped Delta.  Raises ImproperDistributionError on an improper cavity.
+
+    ``step_seed`` (the round) and ``stream`` (the client: its partition id) select the local optimiser's random
+    stream, :func:`local_seed`."""
     t0 = time.perf_counter()
     cav = cavity(posterior, site)
     metrics: dict[str, float] = {"num-examples": float(len(y))}
@@ -63,7 +77,9 @@ def client_step(
         metrics.update({"conjugate": 1.0, "epochs": 0.0})
     else:
         init = _initial_q(problem, posterior, cav, site)
-        local_cfg = replace(problem.local, seed=problem.local.seed + 7919 * step_seed)
+        # the start point is always _initial_q's (init="posterior" makes local_gvi start at the given one): with
+        # init=cavity local_gvi would start at the cavity, and a BNN's first visit lose its symmetry-breaking start
+        local_cfg = replace(problem.local, seed=local_seed(problem.local.seed, step_seed, stream), init="posterior")
         res = local_gvi(problem.model, problem.loss, problem.divergence, cav, x, y, init, local_cfg)
         q_m = res.posterior
         metrics.update(

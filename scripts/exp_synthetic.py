@@ -105,7 +105,7 @@ def run_federation(problem: Problem, shards: list[tuple[np.ndarray, np.ndarray]]
         try:
             for m, (xt, yt) in enumerate(tensors):
                 cid = f"site-{m}"
-                res = client_step(problem, post, state.site(cid), xt, yt, rho, step_seed=rnd)
+                res = client_step(problem, post, state.site(cid), xt, yt, rho, step_seed=rnd, stream=m)
                 deltas[cid] = res.delta
             new = state.apply(deltas)
         except PGVIError as err:

@@ -1,0 +1,82 @@
+"""``common.client_update.client_step``: where the local optimiser starts and which random stream it uses.
+
+* A BNN's first visit starts from the seeded small-variance q that breaks the hidden units' symmetry (FedGVI's
+  init_q), with ``init = "posterior"`` and with ``init = "cavity"`` alike (with "cavity" it used to start at the
+  N(0, I) prior: every weight mean 0, the symmetric saddle).
+* Clients of one round draw from separate streams (the seed was the round's alone, so two clients with the same
+  data computed the same Delta from the same Monte Carlo draws); the same client, round and seed repeat exactly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from common.client_update import client_step, local_seed
+from common.divergences import make_divergence
+from common.families import MeanFieldGaussian
+from common.local_gvi import LocalGVIConfig
+from common.losses import make_loss
+from common.models import make_model
+from common.problem import Problem
+from common.server_gvi import make_server_step
+
+
+def _bnn_problem(init: str, lr: float = 1e-9, epochs: int = 1):
+    model = make_model("bnn", in_features=4, hidden=[8], num_classes=3)
+    prior = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 1.0, dtype=torch.float64)
+    cfg = SimpleNamespace(model="bnn", seed=0, conjugate=False)
+    local = LocalGVIConfig(epochs=epochs, lr=lr, n_samples=2, init=init, patience=None, batch_size=8)
+    return Problem(cfg, model, prior, make_loss("nll"), make_divergence("kl"), make_server_step("kl"), local,
+                   torch.float64)
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(20, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (20,), generator=g)
+
+
+@pytest.mark.parametrize("init", ["posterior", "cavity"])
+def test_a_bnn_first_visit_starts_from_the_symmetry_breaking_q(init):
+    problem = _bnn_problem(init)  # lr 1e-9: the local posterior is the start point
+    x, y = _data()
+    res = client_step(problem, problem.prior, problem.prior.zeros_like(), x, y, rho=1.0)
+    w0 = res.local_posterior.mean()["layers.0.weight"]
+    assert float(w0.abs().max()) > 0.1  # not the prior's zero mean
+    assert not torch.allclose(w0, w0[0].expand_as(w0))  # hidden units differ
+    var = res.local_posterior.variance()["layers.0.weight"]
+    assert torch.allclose(var, torch.full_like(var, 1e-3), rtol=1e-6)
+
+
+def test_init_cavity_starts_later_visits_at_the_cavity():
+    problem = _bnn_problem("cavity")
+    x, y = _data()
+    first = client_step(problem, problem.prior, problem.prior.zeros_like(), x, y, rho=1.0)
+    posterior, site = problem.prior * first.delta, first.new_site  # the server applied the Delta
+    again = client_step(problem, posterior, site, x, y, rho=1.0)  # cavity = posterior / site = the prior
+    mean = again.local_posterior.mean()["layers.0.weight"]
+    assert float(mean.abs().max()) < 1e-6  # the prior's mean: started at the cavity, not at the posterior
+
+
+def test_clients_of_one_round_draw_separate_streams_and_each_repeats():
+    problem = _bnn_problem("posterior", lr=1e-2, epochs=2)
+    x, y = _data()  # the same data for both clients: only the stream can tell them apart
+
+    def delta(stream: int, rnd: int = 3) -> np.ndarray:
+        res = client_step(problem, problem.prior, problem.prior.zeros_like(), x, y, rho=1.0, step_seed=rnd,
+                          stream=stream)
+        return np.concatenate([v.ravel() for v in res.delta.to_numpy().values()])
+
+    a, a_again, b, a_next_round = delta(0), delta(0), delta(1), delta(0, rnd=4)
+    assert (a == a_again).all()
+    assert not (a == b).all() and not (a == a_next_round).all()
+
+
+def test_local_seeds_are_distinct_and_in_range():
+    seeds = {local_seed(s, r, p) for s in (0, 1, 2**32 - 1) for r in range(50) for p in range(50)}
+    assert len(seeds) == 3 * 50 * 50
+    assert all(0 <= v < 2**32 for v in seeds)
+    assert local_seed(-1, 0, 0) == local_seed(2**64 - 1, 0, 0)  # negative seeds are taken mod 2**64
