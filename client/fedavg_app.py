@@ -14,8 +14,8 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from common.config import RunConfig, parse_run_config
-from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_probs, sgd_epochs
-from common.metrics import classification_metrics
+from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_log_probs, sgd_epochs
+from common.metrics import classification_metrics_from_log_probs
 from common.problem import ArraysSplit, client_shard
 from common.runtime import configure_threads, subnormals_flushed
 
@@ -66,5 +66,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     out = {"num-examples": float(len(shard.y_test))}
     if len(shard.y_test):
         with subnormals_flushed():
-            out.update(classification_metrics(predict_probs(model, shard.x_test), shard.y_test))
+            # the exact NLL from the log-probabilities (the server's metrics): not floored at 1e-12
+            out.update(classification_metrics_from_log_probs(predict_log_probs(model, shard.x_test), shard.y_test))
     return Message(RecordDict({"metrics": MetricRecord(out)}), reply_to=msg)

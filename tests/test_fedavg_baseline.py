@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from flwr.app import Error, Message
 
 from client.fedavg_app import app as fedavg_client_app
 from common.config import parse_run_config
@@ -108,26 +109,204 @@ def test_fedavg_round_is_the_weighted_average_of_the_clients_local_models(tmp_pa
     assert summary["method"] == "fedavg" and summary["final"]["round"] == 1.0
 
 
-def test_fedavg_run_is_reproducible_whatever_order_the_clients_are_sampled_in(tmp_path):
-    """Flower's FedAvg samples clients with the unseeded ``random`` module; the sum must not depend on it."""
-    import random
-
+def test_fedavg_run_is_reproducible_whatever_order_the_replies_come_back_in(tmp_path):
+    """Replies come back in whatever order the clients finish; the sum must not depend on it."""
     raw = {**RAW, "num-clients": 4, "min-clients": 4, "num-server-rounds": 2}
     cfg = parse_run_config(raw)
     data = load_full_data(cfg)
     finals, orders = [], set()
-    for py_seed in range(4):
-        random.seed(py_seed)  # changes the order in which FedAvg samples (and so returns) the nodes
+    for perm_seed in range(4):
         grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 4} for m in range(4)], raw)
-        sent = []
-        push = grid.push_messages
-        grid.push_messages = lambda msgs, push=push, sent=sent: push([sent.append(m.metadata.dst_node_id) or m
-                                                                      for m in msgs])
-        run_fedavg(grid, cfg, data, tmp_path / str(py_seed))
-        orders.add(tuple(sent))
-        with np.load(tmp_path / str(py_seed) / "model.npz") as z:
+        received: list[int] = []
+        rng = np.random.default_rng(perm_seed)
+
+        def shuffled(messages, *, timeout=None, send=grid.send_and_receive, rng=rng, received=received):
+            replies = list(send(messages, timeout=timeout))
+            replies = [replies[i] for i in rng.permutation(len(replies))]
+            received.extend(r.metadata.src_node_id for r in replies)
+            return replies
+
+        grid.send_and_receive = shuffled
+        run_fedavg(grid, cfg, data, tmp_path / str(perm_seed))
+        orders.add(tuple(received))
+        with np.load(tmp_path / str(perm_seed) / "model.npz") as z:
             finals.append({k: z[k] for k in z.files})
-    assert len(orders) > 1, "the test needs runs whose clients were sampled in different orders"
+    assert len(orders) > 1, "the test needs runs whose replies came back in different orders"
     for other in finals[1:]:
         for k, v in finals[0].items():
             np.testing.assert_array_equal(v, other[k])
+
+
+# --- a round whose clients all failed stops the run (as PGVI's AllClientsFailed) --------------------------------------
+
+def _fail_train_of_round(rnd: int, how: str, nodes: set[int] | None = None):
+    """A reply hook: round ``rnd``'s train messages (to ``nodes``, default all) fail as ``how``."""
+
+    def hook(req, reply):
+        if (req.metadata.message_type.startswith("train") and int(req.content["config"]["server-round"]) == rnd
+                and (nodes is None or req.metadata.dst_node_id in nodes)):
+            return [] if how == "lost" else [Message(Error(code=0, reason="Traceback ...\nValueError: client crashed"),
+                                                     reply_to=req)]
+        return [reply]
+
+    return hook
+
+
+@pytest.mark.parametrize("how", ["error", "lost"])
+def test_a_round_whose_clients_all_failed_stops_the_run_after_recording_it(tmp_path, how):
+    """FedAvg.aggregate_train returns (None, None) when no reply is valid: the round was recorded with the previous
+    round's client-seconds and epochs, the run went on and wrote summary.json as if every round had trained."""
+    from strategies.pgvi import AllClientsFailed
+
+    raw = {**RAW, "num-server-rounds": 3, "round-timeout-s": 1.0}
+    cfg = parse_run_config(raw)
+    grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 2} for m in range(2)], raw,
+                         reply_hook=_fail_train_of_round(2, how))
+    reason = "client crashed" if how == "error" else "did not reply within round-timeout-s"
+    with pytest.raises(AllClientsFailed, match=f"round 2: all 2 client messages failed .*{reason}"):
+        run_fedavg(grid, cfg, load_full_data(cfg), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0.0, 1.0, 2.0]
+    assert (rows[1]["sent"], rows[1]["applied"], rows[1]["failed"]) == (2.0, 2.0, 0.0)
+    assert (rows[2]["sent"], rows[2]["applied"], rows[2]["failed"]) == (2.0, 0.0, 2.0)
+    assert not any(k.startswith("client-") for k in rows[2]), rows[2]  # nothing trained: no client figures
+    assert rows[2]["test-accuracy"] == rows[1]["test-accuracy"]  # the model is unchanged
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "model.npz").exists()
+
+
+def test_a_partly_failed_round_counts_its_failures_and_averages_the_valid_replies(tmp_path):
+    raw = {**RAW, "num-server-rounds": 2}
+    cfg = parse_run_config(raw)
+    grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 2} for m in range(2)], raw,
+                         reply_hook=_fail_train_of_round(2, "error", nodes={1001}))
+    rows = run_fedavg(grid, cfg, load_full_data(cfg), tmp_path)
+    assert [(r["sent"], r["replied"], r["applied"], r["failed"]) for r in rows[1:]] == [(2, 2, 2, 0), (2, 2, 1, 1)]
+    assert rows[2]["client-epochs-mean"] == 2.0 and rows[2]["client-seconds-mean"] == rows[2]["client-seconds-max"]
+    assert rows[2]["test-accuracy"] != rows[1]["test-accuracy"]
+    assert json.loads((tmp_path / "summary.json").read_text())["final"]["round"] == 2.0
+
+
+def test_too_few_connected_clients_stop_the_run_after_wait_for_clients_s(tmp_path, monkeypatch):
+    """Flower's sample_nodes waits forever for min-clients nodes; the baseline waits wait-for-clients-s."""
+    import flwr.serverapp.strategy.strategy_utils as strategy_utils
+
+    from strategies.pgvi import AllClientsFailed
+
+    class WaitedForever(Exception):
+        pass
+
+    def sleep(_seconds):  # Flower's waiting loop: it would never end
+        raise WaitedForever
+
+    monkeypatch.setattr(strategy_utils, "sleep", sleep)
+    raw = {**RAW, "wait-for-clients-s": 0.3}
+    cfg = parse_run_config(raw)
+    grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 2} for m in range(2)], raw)
+    grid.remove_node(1001)
+    with pytest.raises(AllClientsFailed, match=r"only 1 of the 2 nodes .* wait-for-clients-s=0.3s"):
+        run_fedavg(grid, cfg, load_full_data(cfg), tmp_path)
+    assert not (tmp_path / "summary.json").exists()
+
+
+# --- client sampling is reproducible under the run config's seed -----------------------------------------------------
+
+_SAMPLING_RUN = """
+import json, sys
+from client.fedavg_app import app
+from common.config import parse_run_config
+from common.problem import load_full_data
+from strategies.fedavg_baseline import run_fedavg
+from strategies.inprocess import InProcessGrid
+
+raw = json.loads(sys.argv[1])
+sent = []
+def hook(req, reply):
+    if req.metadata.message_type.startswith("train"):
+        sent.append([int(req.content["config"]["server-round"]), req.metadata.dst_node_id])
+    return [reply]
+cfg = parse_run_config(raw)
+n = cfg.num_clients
+grid = InProcessGrid(app, [{"partition-id": m, "num-partitions": n} for m in range(n)], raw, reply_hook=hook)
+rows = run_fedavg(grid, cfg, load_full_data(cfg), sys.argv[2])
+print("RESULT " + json.dumps({"sent": sorted(sent), "final": {k: v for k, v in rows[-1].items()
+                                                                  if k.startswith("test-")}}))
+"""
+
+
+def _run_in_fresh_interpreter(raw: dict, out, hash_seed: str) -> dict:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONHASHSEED": hash_seed,
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SAMPLING_RUN, json.dumps(raw), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_client_sampling_follows_the_run_seed_in_fresh_interpreters(tmp_path):
+    """With fraction-train < 1 Flower's FedAvg samples with the OS-seeded ``random`` module: two runs of one run
+    config trained different clients and ended at different accuracies."""
+    raw = {**RAW, "num-clients": 6, "min-clients": 2, "fraction-train": 0.5, "num-server-rounds": 2,
+           "fedavg-local-epochs": 1}
+    a = _run_in_fresh_interpreter(raw, tmp_path / "a", "1")
+    b = _run_in_fresh_interpreter(raw, tmp_path / "b", "2")
+    assert [r for r, _ in a["sent"]] == [1, 1, 1, 2, 2, 2]  # 3 of the 6 clients per round
+    assert a == b
+    c = _run_in_fresh_interpreter({**raw, "seed": 4}, tmp_path / "c", "1")
+    assert c["sent"] != a["sent"]  # another seed, another sample (for these two seeds)
+
+
+def test_client_sampling_draws_from_the_sorted_node_ids_with_a_per_round_seed():
+    from strategies.fedavg_baseline import OrderedFedAvg
+
+    class Nodes:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def get_node_ids(self):
+            return self.ids
+
+    strategy = OrderedFedAvg(fraction_train=0.5, min_train_nodes=2, min_available_nodes=2, seed=7,
+                             wait_for_clients_s=0.0)
+    ids = [17, 3, 99, 42, 8, 61]
+    picks = [strategy.sample_train_nodes(Nodes(ids), r)[0] for r in (1, 2, 3)]
+    assert all(len(p) == 3 and p == sorted(p) and set(p) <= set(ids) for p in picks)
+    assert [strategy.sample_train_nodes(Nodes(list(reversed(ids))), r)[0] for r in (1, 2, 3)] == picks
+    assert len({tuple(p) for p in picks}) > 1  # the rounds draw differently
+
+
+# --- client-side evaluation: the exact NLL --------------------------------------------------------------------------
+
+def test_client_evaluation_reports_the_exact_nll_not_the_floored_one():
+    """The FedAvg client scored its NLL from probabilities floored at 1e-12 (at most 27.6 nats a point), unlike the
+    server's log-probability metrics."""
+    from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
+
+    from common.deterministic_mlp import predict_log_probs
+    from common.metrics import classification_metrics_from_log_probs
+
+    cfg = parse_run_config(RAW)
+    shard = client_shard(cfg, 0)
+    torch.manual_seed(0)
+    net = DeterministicMLP(shard.x_train.shape[1], cfg.hidden_sizes, shard.num_classes)
+    arrays = net.get_arrays()
+    last = [k for k in arrays if k.endswith(".weight")][-1]
+    net.set_arrays({**arrays, last: arrays[last] * 1e4})  # over-confident: wrong classes get log p << log 1e-12
+    expected = classification_metrics_from_log_probs(predict_log_probs(net, shard.x_test), shard.y_test)
+    assert expected["nll"] > 100.0
+
+    grid = InProcessGrid(fedavg_client_app, [{"partition-id": m, "num-partitions": 2} for m in range(2)], RAW)
+    msg = Message(content=RecordDict({"arrays": ArrayRecord(net.state_dict()), "config": ConfigRecord({})}),
+                  dst_node_id=1000, message_type=MessageType.EVALUATE)
+    (reply,) = grid.send_and_receive([msg])
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    got = reply.content["metrics"]
+    assert got["num-examples"] == len(shard.y_test)
+    assert got["nll"] == pytest.approx(expected["nll"], rel=1e-12)
+    for k in ("accuracy", "ece", "brier"):
+        assert got[k] == pytest.approx(expected[k], rel=1e-12, abs=1e-15)
