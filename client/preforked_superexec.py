@@ -48,6 +48,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from client import fab_cache, object_pulls
@@ -73,8 +74,10 @@ PRELOAD: tuple[str, ...] = (
 )
 #: After this many failed fork requests in a row, every later ClientApp is started as a subprocess.
 MAX_CONSECUTIVE_FAILURES = 3
-#: The top-level package of this module (removed from ``sys.modules`` in the child, see module doc).
-_OWN_PACKAGE = (__spec__.name if __spec__ is not None else __name__).split(".")[0]
+#: The project's top-level packages (the directories with an ``__init__.py`` beside this module's package):
+#: removed from ``sys.modules`` in the child, see :func:`_forget_own_packages`.
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_OWN_PACKAGES = frozenset(p.name for p in _PROJECT_ROOT.iterdir() if (p / "__init__.py").is_file())
 
 try:  # guarded: with another Flower, main() still runs plain flower_superexec()
     from flwr.supercore.constant import (
@@ -154,11 +157,14 @@ def _detach_from_forkserver() -> None:
         rt._pid = None  # type: ignore[union-attr]
 
 
-def _forget_own_package() -> None:
-    """Drop this project's package, imported only to unpickle the child's function, from ``sys.modules``:
-    ``flwr``'s ``load_app`` must import the ClientApp from the FAB directory it puts first on ``sys.path``
-    (as in ``flwr-clientapp``), not find the SuperExec's copy already imported."""
-    for name in [n for n in sys.modules if n == _OWN_PACKAGE or n.startswith(_OWN_PACKAGE + ".")]:
+def _forget_own_packages() -> None:
+    """Drop this project's packages, imported only to unpickle the child's function (``client``, and the parts of
+    ``common`` that ``client.fab_cache`` and ``client.object_pulls`` import), from ``sys.modules``: ``flwr``'s
+    ``load_app`` must import the ClientApp *and everything it imports* from the FAB directory it puts first on
+    ``sys.path`` (as in ``flwr-clientapp``), not find the SuperExec's copies already imported; a kept ``common``
+    made the FAB's ``client.app`` run with the checkout's protocol, state and config code.  The functions already
+    patched into Flower keep their own modules' globals."""
+    for name in [n for n in sys.modules if n.split(".")[0] in _OWN_PACKAGES]:
         del sys.modules[name]
 
 
@@ -187,7 +193,7 @@ def _child_main(entry: str, argv: Sequence[str], suppress_output: bool, initial_
     if cache_fab:
         fab_cache.install()
     _detach_from_forkserver()
-    _forget_own_package()
+    _forget_own_packages()
     _fresh_main_module()
     if suppress_output:
         sys.stdout.flush()

@@ -115,7 +115,8 @@ OUT = {out!r}
 
 def record():
     info = {{"argv": sys.argv, "pid": os.getpid(), "ppid": os.getppid(),
-            "own_package_loaded": sorted(n for n in sys.modules if n == "client" or n.startswith("client.")),
+            "own_package_loaded": sorted(n for n in sys.modules
+                                         if n.split(".")[0] in ("client", "common", "strategies", "server")),
             "run_clientapp_preloaded": "flwr.supernode.runtime.run_clientapp" in sys.modules,
             "initial_backoff": __import__("flwr.supercore.inflatable.inflatable_utils",
                                           fromlist=["x"]).pull_objects.__kwdefaults__["initial_backoff"],
@@ -203,7 +204,8 @@ def test_forked_child_runs_the_entry_with_flowers_argv_and_is_reaped(probe_entry
         got = json.loads((out / f"{spec.token}.json").read_text())
         assert got["argv"] == pf.clientapp_argv(spec)  # == SubprocessExecutor's (test above)
         assert got["ppid"] == server and got["pid"] != os.getpid()  # a fork of the forkserver, not of us
-        assert got["own_package_loaded"] == []  # the FAB's `client` package will be the one imported
+        # the FAB's `client` and `common` packages will be the ones imported (a kept `common` mixed two versions)
+        assert got["own_package_loaded"] == []
         assert got["run_clientapp_preloaded"]
         assert got["initial_backoff"] == 0.07  # client/object_pulls.py, set in the child
         assert got["fab_cache"] is True  # client/fab_cache.py, installed in the child (default on)
