@@ -1,16 +1,27 @@
 """Run the PGVI app in Flower's simulation engine (`flwr run . <conn>` with a managed local SuperLink).
 
 Usage:
-    python scripts/simulate.py --supernodes 3 [-c key=value ...] [--out runs/sim]
+    python scripts/simulate.py [--supernodes N] [-c key=value ...] [--out runs/sim]
 
 It creates a private FLWR_HOME under --out (so nothing touches ~/.flwr), writes a ``:local:`` connection on
 private ports, runs ``flwr run . <conn> --stream --run-config <file>``, checks the run's final status with
 ``flwr ls`` (``flwr run`` exits 0 even when the ServerApp failed) and stops the managed SuperLink it started
-(Flower leaves it running detached).  Importable: :func:`run_simulation` is what the tests use.
+(Flower leaves it running detached) with everything it spawned.  The cleanup reads /proc only (no ``ss``/``ps``
+needed) and runs before the status is reported; the exit code is the run's: 0 for finished:completed, else 1.
+Importable: :func:`run_simulation` is what the tests use.
+
+The number of SuperNodes defaults to the run config's num-clients (pyproject.toml, after the -c overrides):
+Flower gives every SuperNode num-partitions = the number of SuperNodes, and a client whose num-partitions
+differs from num-clients refuses to run.  The records go to <--out>/outputs/run-<id>: choose the directory with
+--out; a -c output-dir=... is refused.
 
 The status reported is always that of the run THIS invocation started (its id comes from the ``flwr run``
 output); the SuperLink database in --out keeps earlier runs, which are never reported.  If the SuperLink
 refused to start a run (e.g. an unknown run-config key), the script prints the server's message and exits 1.
+
+Flower 1.39's ``flwr run`` gives the SuperLink it starts a fixed 15 s to answer and kills it after that.  When
+that happened (a loaded machine), the script starts the same SuperLink itself, waits up to
+--superlink-timeout seconds for it to answer and runs ``flwr run`` once more, which then uses it.
 
 One simulation at a time per --out directory: a second one on the same --out is refused while the first
 runs (they would share FLWR_HOME, and the first to finish would stop the other's SuperLink).
@@ -19,6 +30,7 @@ runs (they would share FLWR_HOME, and the first to finish would stop the other's
 from __future__ import annotations
 
 import argparse
+import datetime
 import fcntl
 import json
 import os
@@ -47,17 +59,55 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+
+
+def _toml_string(s: str) -> str:
+    """A TOML basic string holding ``s`` exactly: characters outside ASCII are written as they are (UTF-8),
+    only the quote, the backslash and control characters are escaped (``json.dumps`` would write a character
+    outside the BMP as a surrogate pair, ``"\\ud83d\\ude00"``, which TOML rejects)."""
+    out = []
+    for ch in s:
+        code = ord(ch)
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04X}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"{s!r} holds a lone surrogate (U+{code:04X}), which no TOML file can")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(v: object) -> str:
+    """``v`` as a TOML value; ``ValueError`` unless it is a bool, int, float or str (the only run-config
+    values Flower takes)."""
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return json.dumps(str(v))
+    if isinstance(v, int):
+        return str(int(v))
+    if isinstance(v, float):
+        return repr(float(v))  # (numpy 2's repr of its float64 would be "np.float64(...)")
+    if isinstance(v, str):
+        return _toml_string(v)
+    raise ValueError(f"{v!r} is a {type(v).__name__}; a run-config value is a bool, int, float or string")
 
 
 def write_run_config(path: Path, run_config: dict) -> Path:
-    path.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in run_config.items()))
-    tomllib.loads(path.read_text())  # fail here, not inside flwr, on a bad value
+    """Write ``run_config`` as the TOML file ``flwr run --run-config`` takes; ``ValueError`` names a key whose
+    name or value TOML (or Flower) cannot take."""
+    lines = []
+    for k, v in run_config.items():
+        if not isinstance(k, str) or not _BARE_KEY.fullmatch(k):
+            raise ValueError(f"run config key {k!r}: a key is letters, digits, '-', '_' and '.'-separated parts")
+        try:
+            lines.append(f"{k} = {_toml_value(v)}\n")
+        except ValueError as err:
+            raise ValueError(f"run config {k}: {err}") from None
+    path.write_text("".join(lines), encoding="utf-8")
+    tomllib.loads(path.read_text(encoding="utf-8"))  # fail here, not inside flwr, on a bad value
     return path
 
 
@@ -66,66 +116,151 @@ def _flwr_bin(name: str) -> str:
     return str(cand) if cand.exists() else name
 
 
+# Process discovery for the cleanup reads /proc directly: slim images have neither `ss` (iproute2) nor `ps`
+# (procps), and a missing tool must not keep the cleanup from stopping anything.
+
+
+def _proc_pids() -> list[int]:
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (``[state, ppid, ...]``), ``None`` if it is gone.
+    The name is in parentheses and may hold spaces and parentheses itself: split after the last ``)``."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 1:].split()
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes of the TCP sockets (IPv4 and IPv6) listening on ``port`` in this network namespace."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:  # e.g. no IPv6
+            continue
+        for row in rows:
+            f = row.split()  # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port and f[9] != "0":  # 0A: LISTEN
+                inodes.add(f[9])
+    return inodes
+
+
 def _pids_listening(port: int) -> list[int]:
-    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
-    return sorted({int(m) for m in re.findall(r"pid=(\d+)", out)})
+    """Processes holding a TCP socket that listens on ``port`` (/proc/net/tcp{,6} and /proc/<pid>/fd)."""
+    targets = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    if not targets:
+        return []
+    out = set()
+    for pid in _proc_pids():
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in targets:
+                    out.add(pid)
+                    break
+            except OSError:
+                pass
+    return sorted(out)
 
 
 def _pids_with_env(key: str, value: str) -> list[int]:
     """Processes whose environment has ``key=value`` (every process of one simulation shares its FLWR_HOME)."""
     needle = f"{key}={value}".encode()
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
+    for pid in _proc_pids():
+        if pid != os.getpid():
             try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    out.append(int(d.name))
+                if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    out.append(pid)
             except OSError:
                 pass
     return out
 
 
-def _wait_healthy(port: int, timeout: float) -> bool:
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (children, grandchildren, ...), from the parent ids in /proc/<pid>/stat."""
+    kids: dict[int, list[int]] = {}
+    for p in _proc_pids():
+        fields = _stat_fields(p)
+        if fields and len(fields) > 1:
+            kids.setdefault(int(fields[1]), []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), ()):
+            if k not in out and k != pid:
+                out.append(k)
+                todo.append(k)
+    return out
+
+
+def _wait_healthy(port: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    """Whether the SuperLink on ``port`` answers ``/health`` within ``timeout`` s (``False`` at once when
+    ``proc``, the process that should answer, has exited).  Never through an HTTP proxy."""
     import urllib.request
 
-    end = time.time() + timeout
-    while time.time() < end:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    end = time.monotonic() + timeout
+    while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with opener.open(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return True
         except OSError:
             pass
-        time.sleep(1.0)
-    return False
+        if (proc is not None and proc.poll() is not None) or time.monotonic() >= end:
+            return False
+        time.sleep(0.2)
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    kids = [int(x) for x in out.split()]
-    return kids + [g for k in kids for g in _children(k)]
+def _warn(msg: str) -> None:
+    print(f"simulate.py: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def stop_local_superlink(port: int, home: Path | None = None, timeout: float = 20.0) -> None:
     """Terminate the managed SuperLink listening on ``port``, everything it spawned and (if ``home`` is
-    given) every other process of this simulation (found by its FLWR_HOME)."""
-    pids = set(_pids_listening(port)) | set(_pids_with_env("FLWR_HOME", str(home)) if home else ())
+    given) every other process of this simulation (found by its FLWR_HOME): SIGTERM, then SIGKILL for what
+    still runs after ``timeout`` s.  Each lookup is on its own: one that fails (warned) never keeps the others
+    from running, nor anything found from being stopped."""
+    pids: set[int] = set()
+    lookups: list[tuple[str, Callable[[], list[int]]]] = [("listening on port", lambda: _pids_listening(port))]
+    if home is not None:
+        lookups.append(("of FLWR_HOME", lambda: _pids_with_env("FLWR_HOME", str(home))))
+    for what, lookup in lookups:
+        try:
+            pids |= set(lookup())
+        except Exception as err:  # noqa: BLE001 - the other lookups and the kills must still run
+            _warn(f"cleanup: could not list the processes {what}: {type(err).__name__}: {err}")
+    family: list[int] = []
     for pid in sorted(pids):
-        family = [pid] + _children(pid)
-        for p in family:
+        try:
+            kin = [pid, *_children(pid)]
+        except Exception as err:  # noqa: BLE001
+            _warn(f"cleanup: could not list the children of {pid}: {type(err).__name__}: {err}")
+            kin = [pid]
+        family += [p for p in kin if p not in family and p != os.getpid()]
+    for p in family:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError as err:
+            _warn(f"cleanup: cannot stop process {p}: {err}")
+    end = time.time() + timeout
+    while time.time() < end and any(_alive(p) for p in family):
+        time.sleep(0.2)
+    for p in family:
+        if _alive(p):
             try:
-                os.kill(p, signal.SIGTERM)
-            except ProcessLookupError:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # exited between the check and the kill / not ours
                 pass
-        end = time.time() + timeout
-        while time.time() < end and any(_alive(p) for p in family):
-            time.sleep(0.2)
-        for p in family:
-            if _alive(p):
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:  # exited between the check and the kill
-                    pass
 
 
 def _alive(pid: int) -> bool:
@@ -133,8 +268,10 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+    except PermissionError:  # exists, another user's
+        return True
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -178,6 +315,10 @@ def server_message(log_text: str, max_lines: int = 12) -> str:
     return "\n".join((hits or [ln for ln in lines if ln.strip()])[-max_lines:])
 
 
+SUPERLINK_START_TIMEOUT = 180.0  # s for the SuperLink this script starts after Flower's own did not answer
+_FLOWER_START_FAILED = "Failed to start local SuperLink"
+
+
 def run_simulation(
     run_config: dict,
     num_supernodes: int,
@@ -186,11 +327,14 @@ def run_simulation(
     timeout: float = 1800.0,
     stream_to: Path | None = None,
     preexec_fn: Callable[[], None] | None = None,
+    superlink_timeout: float = SUPERLINK_START_TIMEOUT,
 ) -> dict:
     """Run the app in simulation; returns ``{"status", "run_id", "out_dir", "log", "seconds"}``.
 
+    The records go to ``workdir/outputs/run-<id>`` (``run_config``'s ``output-dir`` is replaced).
     ``preexec_fn`` runs in the ``flwr run`` child before it starts (e.g. joining a memory cgroup: the SuperLink,
-    the simulation and Ray's processes it starts inherit that)."""
+    the simulation and Ray's processes it starts inherit that), and in the SuperLink this function starts itself
+    if Flower's did not answer within Flower's 15 s; that one gets ``superlink_timeout`` s to answer."""
     workdir = Path(workdir).resolve()
     home = workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -211,14 +355,59 @@ def run_simulation(
         lock.write(f"{os.getpid()}\n")
         lock.flush()
         return _run_simulation_locked(run_config, num_supernodes, workdir, home, num_cpus_per_client, timeout,
-                                      stream_to, preexec_fn)
+                                      stream_to, preexec_fn, superlink_timeout)
     finally:
         lock.close()
 
 
+def _superlink_cmd(home: Path, http_port: int, control_port: int) -> list[str]:
+    """The SuperLink Flower 1.39's ``flwr run`` starts for a ``:local:`` connection (cli/local_superlink.py
+    ``_start_local_superlink``), on this simulation's private loopback ports and in its FLWR_HOME."""
+    runtime = home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    return [_flwr_bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+            "--control-api-address", f"127.0.0.1:{control_port}", "--host", "127.0.0.1", "--port", str(http_port),
+            "--log-file", str(runtime / "superlink.log"), "--log-rotation-interval-hours", "24",
+            "--log-rotation-backup-count", "7", "--database", str(runtime / "state.db")]
+
+
+def _start_superlink(env: dict, home: Path, http_port: int, control_port: int,
+                     preexec_fn: Callable[[], None] | None) -> subprocess.Popen:
+    cmd = _superlink_cmd(home, http_port, control_port)
+    with open(home / "local-superlink" / "superlink-simulate.out", "ab") as out:
+        # its own session like Flower's (a Ctrl-C in the terminal reaches this script, whose cleanup stops it)
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=preexec_fn)
+
+
+def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None) -> None:
+    """Stop every process of this simulation; never raises (a failure is warned about: the caller reports the
+    run's own result either way)."""
+    try:
+        stop_local_superlink(http_port, home)
+    except Exception as err:  # noqa: BLE001
+        _warn(f"cleanup failed: {type(err).__name__}: {err}")
+    if own is not None:  # the SuperLink started here: make sure it is gone, and reap it
+        try:
+            if own.poll() is None:
+                own.kill()
+            own.wait(timeout=10)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"cleanup: SuperLink {own.pid}: {type(err).__name__}: {err}")
+    try:
+        end = time.time() + 2.0
+        while (left := [p for p in _pids_with_env("FLWR_HOME", str(home)) if _alive(p)]) and time.time() < end:
+            time.sleep(0.1)
+        if left:
+            _warn(f"cleanup: processes {left} of FLWR_HOME={home} still run")
+    except Exception as err:  # noqa: BLE001
+        _warn(f"cleanup: could not check for leftover processes: {type(err).__name__}: {err}")
+
+
 def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path, home: Path,
                            num_cpus_per_client: float, timeout: float, stream_to: Path | None,
-                           preexec_fn: Callable[[], None] | None = None) -> dict:
+                           preexec_fn: Callable[[], None] | None = None,
+                           superlink_timeout: float = SUPERLINK_START_TIMEOUT) -> dict:
     http_port, control_port = free_port(), free_port()
     (home / "config.toml").write_text(
         '[superlink]\ndefault = "pgvi-sim"\n[superlink.pgvi-sim]\naddress = ":local:"\n'
@@ -229,30 +418,50 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     out_root = workdir / "outputs"
     cfg = {**run_config, "output-dir": str(out_root)}
     cfg_file = write_run_config(workdir / "run_config.toml", cfg)
-    log_path = stream_to or workdir / "flwr-run.log"
+    log_path = Path(stream_to or workdir / "flwr-run.log")
     cmd = [_flwr_bin("flwr"), "run", str(ROOT), "pgvi-sim", "--stream", "--run-config", str(cfg_file),
            "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus_per_client:g}"]
     t0 = time.time()
+    own: subprocess.Popen | None = None  # the SuperLink started here, if Flower's did not start
+    failure = ""  # why the SuperLink started here did not answer
+    ls = None
     try:
-        # Flower gives its managed SuperLink a fixed 15 s to start; on a loaded machine that can fail: retry
-        for attempt in range(3):
+        for attempt in range(2):
             with open(log_path, "w") as log:
-                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False,
-                               preexec_fn=preexec_fn)
-            if "Failed to start local SuperLink" not in Path(log_path).read_text():
+                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                               check=False, preexec_fn=preexec_fn)
+            if attempt == 1 or _FLOWER_START_FAILED not in log_path.read_text(errors="replace"):
                 break
-            # the detached SuperLink keeps starting; once it answers, `flwr run` finds and uses it
-            _wait_healthy(http_port, timeout=180.0)
-        ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+            # Flower 1.39's `flwr run` waits a fixed 15 s for the SuperLink it starts and then KILLS it
+            # (cli/local_superlink.py `_start_local_superlink`: process.kill()), so nothing is left starting. Start
+            # the same SuperLink here, wait for its /health with our own timeout, and run `flwr run` again: it
+            # finds a SuperLink answering on the connection's port and uses it instead of starting its own.
+            _warn(f"Flower's SuperLink did not answer within Flower's 15 s; starting it here (up to "
+                  f"{superlink_timeout:g} s) and running `flwr run` again")
+            stop_local_superlink(http_port, home, timeout=10.0)  # whatever the killed SuperLink had spawned
+            own = _start_superlink(env, home, http_port, control_port, preexec_fn)
+            if not _wait_healthy(http_port, superlink_timeout, own):
+                failure = ("Flower's SuperLink did not answer within 15 s, and the one simulate.py then started "
+                           + (f"exited with code {own.returncode}" if own.poll() is not None
+                              else f"did not answer /health within {superlink_timeout:g} s")
+                           + f" (log {home / 'local-superlink' / 'superlink.log'})")
+                with open(log_path, "a") as log:
+                    log.write(f"\nsimulate.py: {failure}\n")
+                break
+        if started_run_id(log_path.read_text(errors="replace")) is not None:
+            # (only then: on a `:local:` connection with no SuperLink answering, `flwr ls` would start one)
+            ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=120)
     finally:
-        stop_local_superlink(http_port, home)
+        _cleanup(http_port, home, own)
     seconds = time.time() - t0
-    runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
-    log_text = Path(log_path).read_text(errors="replace")
+    ls_out = ls.stdout if ls is not None and isinstance(ls.stdout, str) else ""
+    runs = json.loads(ls_out).get("runs", []) if ls_out.strip().startswith("{") else []
+    log_text = log_path.read_text(errors="replace")
     run_id = started_run_id(log_text)
     if run_id is None:  # the server refused the run (or flwr failed before starting one): never an older run
-        return {"status": "not-started", "status-details": server_message(log_text), "run_id": "",
+        details = "\n".join(m for m in (failure, server_message(log_text)) if m)
+        return {"status": "not-started", "status-details": details, "run_id": "",
                 "out_dir": None, "log": log_path, "seconds": seconds}
     run = pick_run(runs, log_text)  # {} if `flwr ls` did not list it: status unknown
     return {"status": run.get("status", "unknown"), "status-details": run.get("status-details", ""), "run_id": run_id,
@@ -260,23 +469,34 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
 
 
 _PAIR = re.compile(r"""([^\s=]+)=('[^']*'|"[^"]*"|\S+)""")
+_NOT_SCALAR = ((list, "a TOML array"), (dict, "a TOML inline table"),
+               ((datetime.date, datetime.time), "a TOML date/time"))  # datetime.datetime is a datetime.date
 
 
 def parse_overrides(item: str) -> dict:
     """One ``-c`` argument: space-separated ``key=value`` pairs with TOML values, as ``flwr run -c`` takes
-    them (``'a=1 b=2 note="x y"'``).  ``ValueError`` names the bad override."""
+    them (``'a=1 b=2 note="x y"'``).  ``ValueError`` names the bad override: not ``key=value``, a value that is
+    no TOML, or one that is no run-config value (a run config holds only bools, ints, floats and strings;
+    ``flwr run -c`` refuses arrays and dates and would flatten an inline table into ``key.sub`` keys)."""
     out: dict = {}
     pos = 0
     for m in _PAIR.finditer(item):
         if item[pos:m.start()].strip():
             break
         key, raw = m.group(1), m.group(2)
+        if not _BARE_KEY.fullmatch(key):
+            raise ValueError(f"-c {item!r}: {key!r} is not a run-config key (letters, digits, '-', '_', '.')")
         try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
+            value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             raise ValueError(
                 f"-c {item!r}: {key}={raw} is not a TOML value (strings need quotes, e.g. {key}='\"{raw}\"')"
             ) from None
+        for types, kind in _NOT_SCALAR:
+            if isinstance(value, types):
+                raise ValueError(f"-c {item!r}: {key}={raw} is {kind}; a run-config value is a bool, an int, a "
+                                 f"float or a quoted string (e.g. {key}='\"{raw}\"' if {key} takes a string)")
+        out[key] = value
         pos = m.end()
     if not out or item[pos:].strip():
         raise ValueError(f"-c {item!r}: expected space-separated key=value pairs, e.g. -c 'num-server-rounds=2 "
@@ -300,17 +520,36 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--supernodes", type=int, default=3)
+    ap.add_argument("--supernodes", type=int, default=None,
+                    help="number of SuperNodes (virtual clients); default: the run config's num-clients, after "
+                         "the -c overrides (a client refuses to run when the two differ)")
     ap.add_argument("--cpus-per-client", type=float, default=1.0)
     ap.add_argument("-c", "--config", action="append", default=[],
-                    help="run-config overrides: space-separated key=value pairs, TOML values (strings quoted)")
+                    help="run-config overrides: space-separated key=value pairs, TOML values (strings quoted); "
+                         "bools, ints, floats and strings only; not output-dir (use --out)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sim",
-                    help="output dir; holds FLWR_HOME, so one simulation at a time per --out")
+                    help="output dir: the records go to OUT/outputs/run-<id>; it holds FLWR_HOME, so one "
+                         "simulation at a time per --out")
+    ap.add_argument("--superlink-timeout", type=float, default=SUPERLINK_START_TIMEOUT,
+                    help="seconds the SuperLink this script starts, if Flower's own did not answer within "
+                         "Flower's fixed 15 s, gets to answer (default %(default)g)")
     args = ap.parse_args()
     try:
         run_config = pyproject_run_config(args.config)
+        for item in args.config:
+            if "output-dir" in parse_overrides(item):
+                raise ValueError(f"-c {item!r}: output-dir is not taken here: the records go to "
+                                 f"<--out>/outputs/run-<id>; choose the directory with --out (now {args.out})")
     except ValueError as err:
         ap.error(str(err))
+    clients = run_config.get("num-clients")
+    if args.supernodes is None:
+        if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
+            ap.error(f"num-clients={clients!r} is not a positive integer: cannot take --supernodes from it")
+        args.supernodes = clients
+    elif args.supernodes != clients:
+        _warn(f"--supernodes {args.supernodes} differs from num-clients={clients!r}: every client will refuse "
+              f"its node config (num-partitions={args.supernodes}); leave --supernodes out to follow num-clients")
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "flwr-run.log"
     print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)
@@ -318,16 +557,18 @@ def main() -> None:
     # handler is restored afterwards (the tests call main() inside the pytest process)
     old_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path)
-    except RuntimeError as err:
+        res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path,
+                             superlink_timeout=args.superlink_timeout)
+    except (RuntimeError, ValueError) as err:
         print(f"simulate.py: error: {err}", file=sys.stderr)
         sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, old_handler)
+    # run_simulation has stopped the simulation's processes (or warned that it could not): report the run
     if not res["run_id"]:
         print(f"simulate.py: no run was started: {res['status-details']} (log {log_path})", file=sys.stderr)
         sys.exit(1)
-    for line in log_path.read_text().splitlines():
+    for line in log_path.read_text(errors="replace").splitlines():
         if "PGVI" in line or "rror" in line:
             print(line, flush=True)
     print(f"status: {res['status']} {res['status-details']}; {res['seconds']:.1f}s; records: {res['out_dir']}")

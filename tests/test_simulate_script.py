@@ -1,0 +1,369 @@
+"""scripts/simulate.py and scripts/run_main.sh without Flower: ``flwr`` is faked (``subprocess.run`` of the
+``flwr`` binary), the SuperLink is a small HTTP server answering ``/health`` on 127.0.0.1, and every process a
+test starts is stopped by the test (also when the code under test fails to)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import simulate
+
+REPO = Path(__file__).resolve().parents[1]
+STARTED_LOG = "Successfully started run 7\nStarting logstream for run_id `7`\nINFO :      PGVI finished\n"
+FLOWER_GAVE_UP = "Error: Failed to start local SuperLink within 15s. See logs at /x/superlink.log.\n"
+
+# a stand-in for flower-superlink: records its arguments, optionally exits at once, else answers /health on
+# --host:--port after a short start-up
+FAKE_SUPERLINK = r"""
+import http.server, json, os, sys, time
+args = sys.argv[1:]
+with open(os.environ["FAKE_SUPERLINK_ARGS"], "a") as f:
+    f.write(json.dumps(args) + "\n")
+if os.environ.get("FAKE_SUPERLINK_EXIT"):
+    sys.exit(int(os.environ["FAKE_SUPERLINK_EXIT"]))
+time.sleep(0.3)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+http.server.HTTPServer((host, port), Health).serve_forever()
+"""
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, not yet reaped)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rfind(")") + 1:].split()[0] == "Z"
+
+
+def _procs_with_home(home: Path) -> list[int]:
+    needle = f"FLWR_HOME={home}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return [p for p in out if not _gone(p)]
+
+
+def _kill(pids) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _healthy(port: int) -> bool:
+    import urllib.request
+
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def fake_superlink(tmp_path, monkeypatch):
+    """An executable stand-in for ``flower-superlink``; ``simulate._flwr_bin`` resolves to it."""
+    script = tmp_path / "bin" / "flower-superlink"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\n{FAKE_SUPERLINK}")
+    script.chmod(0o755)
+    args_file = tmp_path / "superlink-args.jsonl"
+    monkeypatch.setenv("FAKE_SUPERLINK_ARGS", str(args_file))
+    real_bin = simulate._flwr_bin  # noqa: SLF001
+    monkeypatch.setattr(simulate, "_flwr_bin",
+                        lambda name: str(script) if name == "flower-superlink" else real_bin(name))
+    return script, args_file
+
+
+@pytest.fixture
+def fake_flwr(monkeypatch, fake_superlink):
+    """``flwr run`` / ``flwr ls`` faked; ``state["on_run"](cmd, env)`` returns what a ``flwr run`` prints (default:
+    a started run 7); ``flwr ls`` lists run 7 as completed.  Other commands (``ss``, ``ps``) really run.
+    Processes a fake ``flwr run`` leaves behind go in ``state["procs"]``; whatever survives is killed at the end."""
+    real_run = subprocess.run
+    state: dict = {"runs": [], "ls": 0, "procs": [], "homes": []}
+
+    def fake_run(cmd, *args, **kw):
+        if not (isinstance(cmd, list) and len(cmd) > 1 and Path(cmd[0]).name == "flwr"):
+            return real_run(cmd, *args, **kw)
+        env = kw.get("env") or {}
+        state["homes"].append(env.get("FLWR_HOME"))
+        if cmd[1] == "run":
+            state["runs"].append(list(cmd))
+            kw["stdout"].write(state["on_run"](cmd, env) if "on_run" in state else STARTED_LOG)
+            return subprocess.CompletedProcess(cmd, 0)
+        if cmd[1] == "ls":
+            state["ls"] += 1
+            runs = [{"run-id": "7", "status": "finished:completed", "status-details": "N/A"}]
+            return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps({"success": True, "runs": runs}), stderr="")
+        raise AssertionError(cmd)
+
+    monkeypatch.setattr(simulate.subprocess, "run", fake_run)
+    yield state
+    for proc in state["procs"]:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    for home in state["homes"]:
+        if home:
+            _kill(_procs_with_home(Path(home)))
+
+
+def _main(monkeypatch, *argv: str) -> int:
+    monkeypatch.setattr(sys, "argv", ["simulate.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        simulate.main()
+    return exc.value.code
+
+
+def _no_tools_on_path(tmp_path, monkeypatch) -> None:
+    """A slim image: no ``ss`` (iproute2), no ``ps`` (procps), nothing else either."""
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+# ----------------------------------------------------------------------------- 1. cleanup without ss / ps
+
+
+_SLEEPER = "import time; time.sleep(120)"
+_LISTENER = """
+import os, socket, subprocess, sys, time
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+with open(sys.argv[2] + ".tmp", "w") as f:
+    f.write(str(kid.pid))
+os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+time.sleep(120)
+"""
+
+
+def _await_file(path: Path, timeout: float = 20.0) -> str:
+    end = time.time() + timeout
+    while not path.exists():
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_stop_local_superlink_needs_neither_ss_nor_ps(tmp_path, monkeypatch):
+    """The SuperLink (found by its listening port, with a grandchild found by its parent id) and another
+    process of the simulation (found by its FLWR_HOME) are stopped on a machine without ``ss`` and ``ps``."""
+    port, home = simulate.free_port(), tmp_path / "flwr-home"
+    env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+    listener = subprocess.Popen([sys.executable, "-c", _LISTENER, str(port), str(tmp_path / "kid")], env=env)
+    other = subprocess.Popen([sys.executable, "-c", _SLEEPER], env={**env, "FLWR_HOME": str(home)})
+    kid = int(_await_file(tmp_path / "kid"))
+    try:
+        _no_tools_on_path(tmp_path, monkeypatch)
+        simulate.stop_local_superlink(port, home, timeout=5.0)
+        assert listener.wait(timeout=5) is not None and other.wait(timeout=5) is not None
+        end = time.time() + 5
+        while not _gone(kid) and time.time() < end:
+            time.sleep(0.05)
+        assert _gone(kid), "the SuperLink's child survived"
+    finally:
+        _kill([listener.pid, other.pid, kid])
+        listener.wait(timeout=10)
+        other.wait(timeout=10)
+
+
+def test_a_failing_lookup_does_not_keep_the_flwr_home_scan_from_running(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "flwr-home"
+    other = subprocess.Popen([sys.executable, "-c", _SLEEPER], env={**os.environ, "FLWR_HOME": str(home)})
+    try:
+        def broken(port):
+            raise OSError("no way to list sockets here")
+
+        monkeypatch.setattr(simulate, "_pids_listening", broken)
+        simulate.stop_local_superlink(simulate.free_port(), home, timeout=5.0)
+        assert other.wait(timeout=5) is not None
+        assert "no way to list sockets here" in capsys.readouterr().err  # warned, not raised
+    finally:
+        _kill([other.pid])
+        other.wait(timeout=10)
+
+
+def test_completed_run_without_ss_is_reported_as_completed_and_its_superlink_stopped(fake_flwr, fake_superlink,
+                                                                                       tmp_path, monkeypatch, capsys):
+    """The reviewer's slim-image run: ``flwr run`` leaves its SuperLink running detached and the run completed;
+    without ``ss`` the script used to crash in the cleanup (rc 1, nothing stopped)."""
+    script, _ = fake_superlink
+
+    def flower_run(cmd, env):  # Flower starts its SuperLink detached and leaves it running
+        port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+        fake_flwr["procs"].append(subprocess.Popen([str(script), "--host", "127.0.0.1", "--port", port], env=env,
+                                                   start_new_session=True))
+        end = time.time() + 20
+        while not _healthy(int(port)):
+            assert time.time() < end
+            time.sleep(0.05)
+        return STARTED_LOG
+
+    fake_flwr["on_run"] = flower_run
+    _no_tools_on_path(tmp_path, monkeypatch)
+    code = _main(monkeypatch, "--supernodes", "3", "--out", str(tmp_path / "sim"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "status: finished:completed" in out
+    [superlink] = fake_flwr["procs"]
+    superlink.wait(timeout=5)  # stopped by the cleanup (raises TimeoutExpired if it still runs)
+    assert _procs_with_home((tmp_path / "sim" / "flwr-home").resolve()) == []
+
+
+# ----------------------------------------------------------------------------- 2. SuperLink start retry
+
+
+@pytest.fixture
+def short_health_waits(monkeypatch):
+    """Every health wait capped at 5 s (the old retry waited 180 s per attempt for a SuperLink Flower had killed)."""
+    real = simulate._wait_healthy  # noqa: SLF001
+
+    def capped(port, timeout, *args, **kw):
+        return real(port, min(timeout, 5.0), *args, **kw)
+
+    monkeypatch.setattr(simulate, "_wait_healthy", capped)
+
+
+def test_superlink_flower_gave_up_on_is_started_here_and_used(fake_flwr, fake_superlink, short_health_waits,
+                                                               tmp_path):
+    """Flower's `flwr run` kills the SuperLink it started when it does not answer within 15 s: the script starts
+    one itself (loopback, private ports, the simulation's FLWR_HOME), waits for its /health and runs `flwr run`
+    again, which finds it answering (as Flower does) and uses it."""
+    _, args_file = fake_superlink
+
+    ports = []
+
+    def flower_run(cmd, env):  # like Flower: use a SuperLink answering on the port, else start one (and give up)
+        ports.append((env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"]))
+        return STARTED_LOG if _healthy(int(ports[-1][0])) else FLOWER_GAVE_UP
+
+    fake_flwr["on_run"] = flower_run
+    t0 = time.time()
+    res = simulate.run_simulation({"num-server-rounds": 1}, 2, tmp_path / "sim")
+    assert res["status"] == "finished:completed" and res["run_id"] == "7", res
+    assert len(fake_flwr["runs"]) == 2 and time.time() - t0 < 30
+    [args] = [json.loads(line) for line in args_file.read_text().splitlines()]
+    home = (tmp_path / "sim" / "flwr-home").resolve()
+    (http_port, control_port), = set(ports)  # the private ports `flwr run` was told to use, both times
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[args.index("--port") + 1] == http_port
+    assert args[args.index("--control-api-address") + 1] == f"127.0.0.1:{control_port}" and "--simulation" in args
+    assert Path(args[args.index("--database") + 1]).parent == home / "local-superlink"
+    assert _procs_with_home(home) == []  # and it was stopped
+
+
+def test_superlink_that_cannot_start_is_given_up_at_once(fake_flwr, fake_superlink, short_health_waits, tmp_path,
+                                                         monkeypatch):
+    monkeypatch.setenv("FAKE_SUPERLINK_EXIT", "3")
+    fake_flwr["on_run"] = lambda cmd, env: FLOWER_GAVE_UP
+    t0 = time.time()
+    res = simulate.run_simulation({"num-server-rounds": 1}, 2, tmp_path / "sim")
+    assert time.time() - t0 < 4.5  # no health wait on a SuperLink that has exited
+    assert res["status"] == "not-started" and "exited with code 3" in res["status-details"], res
+    assert len(fake_flwr["runs"]) == 1 and fake_flwr["ls"] == 0
+
+
+# ----------------------------------------------------------------------------- 3. run-config values
+
+
+@pytest.mark.parametrize("item, key", [("hidden=[100,100]", "hidden"), ("resume=1979-05-27", "resume"),
+                                       ("sequential-order={a=1}", "sequential-order"), ("t=07:32:00", "t"),
+                                       ("lr=0.1 when=1979-05-27T07:32:00Z", "when")])
+def test_overrides_refuse_values_that_are_no_run_config_values(item, key):
+    with pytest.raises(ValueError, match=rf"{key}=.*(array|inline table|date/time).*bool, an int, a float"):
+        simulate.parse_overrides(item)
+
+
+def test_cli_refuses_an_array_override_before_starting_anything(fake_flwr, tmp_path, monkeypatch, capsys):
+    assert _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", "hidden=[100,100]") == 2
+    assert "hidden=[100,100] is a TOML array" in capsys.readouterr().err
+    assert fake_flwr["runs"] == []
+
+
+def test_run_config_strings_round_trip_through_toml_and_flower(tmp_path):
+    from flwr.common.config import parse_config_args
+
+    values = {"emoji": "run-\U0001F600", "latin": "caf\u00e9", "cjk": "\u6570\u636e", "quote": 'say "hi"',
+              "squote": "it's", "backslash": "C:\\data", "controls": "a\tb\nc\rd\x01e\x1bf", "del": "a\x7fb",
+              "spaces": "/tmp/my data", "small": 1e-20, "big": 1e300, "int": 7, "bool": False}
+    path = simulate.write_run_config(tmp_path / "rc.toml", values)
+    import tomllib
+
+    assert tomllib.loads(path.read_text(encoding="utf-8")) == values
+    assert parse_config_args([str(path)]) == values
+
+
+@pytest.mark.parametrize("value", [[100, 100], {"a": 1}, None])
+def test_write_run_config_refuses_a_value_that_is_no_run_config_value(tmp_path, value):
+    with pytest.raises(ValueError, match="hidden"):
+        simulate.write_run_config(tmp_path / "rc.toml", {"lr": 0.1, "hidden": value})
+
+
+def test_output_dir_override_is_refused_with_a_pointer_to_out(fake_flwr, tmp_path, monkeypatch, capsys):
+    code = _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", f'output-dir="{tmp_path / "mine"}"')
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "output-dir" in err and "--out" in err
+    assert fake_flwr["runs"] == []
+
+
+# ----------------------------------------------------------------------------- 4. number of SuperNodes
+
+
+def test_supernodes_follow_num_clients_by_default(fake_flwr, tmp_path, monkeypatch):
+    """One SuperNode per client: num-clients of the -c overrides, else of pyproject.toml."""
+    import tomllib
+
+    assert _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", "num-clients=4 min-clients=4") == 0
+    assert _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", "num-clients=2", "-c", "min-clients=1") == 0
+    assert _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", "num-server-rounds=1") == 0
+    clients = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]["num-clients"]
+    federation = [cmd[cmd.index("--federation-config") + 1].split()[0] for cmd in fake_flwr["runs"]]
+    assert federation == ["num-supernodes=4", "num-supernodes=2", f"num-supernodes={clients}"]
+
+
+def test_supernodes_disagreeing_with_num_clients_are_warned_about(fake_flwr, tmp_path, monkeypatch, capsys):
+    _main(monkeypatch, "--supernodes", "3", "--out", str(tmp_path / "sim"), "-c", "num-clients=4 min-clients=4")
+    assert "--supernodes 3 differs from num-clients=4" in capsys.readouterr().err
+
+
+def test_run_main_sh_lets_simulate_py_choose_the_supernodes(tmp_path):
+    """run_main.sh with setup.sh and the venv's python faked: simulate.py gets the user's arguments and no
+    --supernodes of its own (it used to force 3, so -c 'num-clients=4 min-clients=4' failed after 120 s)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "run_main.sh").write_text((REPO / "scripts" / "run_main.sh").read_text())
+    (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+    py = tmp_path / ".venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    py.chmod(0o755)
+    out = tmp_path / "args.txt"
+    subprocess.run(["bash", str(tmp_path / "scripts" / "run_main.sh"), "-c", "num-clients=4 min-clients=4"],
+                   env={**os.environ, "ARGS_OUT": str(out)}, check=True, timeout=30)
+    assert out.read_text().splitlines() == ["scripts/simulate.py", "--out", "runs/main", "-c",
+                                            "num-clients=4 min-clients=4"]
