@@ -36,6 +36,8 @@ from common.errors import ImproperDistributionError, NonFiniteError, ShapeMismat
 from common.fast_math import all_finite
 
 _LOG_2PI = math.log(2.0 * math.pi)
+#: Relative tolerance of the symmetry of a full-covariance precision (rounding of symmetric products).
+SYMMETRY_RTOL = 1e-8
 
 F = TypeVar("F", bound="GaussianFactor")
 
@@ -139,7 +141,17 @@ class GaussianFactor(ABC):
             out[k] = t
         factor = self._like(out)
         factor.check_finite(what="received natural parameters")
+        detail = factor.structure_detail()
+        if detail is not None:
+            raise ShapeMismatchError(f"received natural parameters: {detail}")
         return factor
+
+    def structure_detail(self) -> str | None:
+        """``None`` if the natural parameters have the structure the family stores, else what is wrong (a
+        full-covariance ``eta2`` must be symmetric).  Checked by :meth:`from_numpy`, since ``eta2`` enters
+        every expectation only through its symmetric part while its antisymmetric part still rounds every
+        sum it is added to (a peer's antisymmetric 1e12 erased the other sites' off-diagonal information)."""
+        return None
 
     def check_finite(self: F, what: str = "factor") -> F:
         for k, v in self.params.items():
@@ -371,15 +383,31 @@ class FullCovarianceGaussian(GaussianFactor):
     def mean(self) -> Tensor:
         return torch.cholesky_solve(self.params["eta1"].unsqueeze(-1), self._cholesky_precision()).squeeze(-1)
 
+    def structure_detail(self) -> str | None:
+        """``None`` if ``eta2`` is symmetric to rounding, else a description of its asymmetry.
+
+        The test is ``max |Lambda - Lambda^T| <= SYMMETRY_RTOL * max(1, max |Lambda|)`` on the precision
+        ``Lambda = -2 eta2`` (that of :meth:`improper_detail`), evaluated on ``eta2`` without forming
+        ``-2 eta2`` or ``eta2 - eta2^T``, which can overflow for a finite ``eta2`` (a peer's value): an
+        overflowing asymmetry is infinite and refused, never compared as NaN."""
+        e2 = self.params["eta2"].detach()
+        if e2.numel() == 0:
+            return None
+        half = 0.5 * e2
+        asym = 2.0 * float((half - half.T).abs().max())  # max |eta2 - eta2^T| (inf if it overflows)
+        scale = float(e2.abs().max())
+        if not asym <= SYMMETRY_RTOL * max(0.5, scale):  # NaN-safe; == the test on Lambda above
+            return f"precision is not symmetric (max asymmetry {2.0 * asym:.3g})"
+        return None
+
     def improper_detail(self) -> str | None:
         e1, e2 = self.params["eta1"].detach(), self.params["eta2"].detach()
         lam = -2.0 * e2
         if not (torch.isfinite(e1).all() and torch.isfinite(lam).all()):
             return "non-finite natural parameters or precision"
-        asym = float((lam - lam.T).abs().max())
-        scale = float(lam.abs().max()) if lam.numel() else 0.0
-        if not asym <= 1e-8 * max(1.0, scale):  # NaN-safe
-            return f"precision is not symmetric (max asymmetry {asym:.3g})"
+        detail = self.structure_detail()
+        if detail is not None:
+            return detail
         _, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
         if int(info) != 0:
             try:

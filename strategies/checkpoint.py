@@ -20,6 +20,7 @@ tag is unknown, and clients reconcile by version alone until their next applied 
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ from common.atomic_io import atomic_save_npz, load_npz
 from common.errors import PGVIError
 
 if TYPE_CHECKING:
-    from common.factors import PGVIServerState
+    from common.families import GaussianFactor
     from strategies.pgvi import PGVIStrategy
 
 CHECKPOINT_FILE = "checkpoint.npz"
@@ -79,7 +80,11 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
 
 
 def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> None:
-    """Restore ``strategy``'s server state from ``directory/checkpoint.npz``."""
+    """Restore ``strategy``'s server state from ``directory/checkpoint.npz``.
+
+    Everything is decoded and checked first (layouts, the posterior's properness, the ledger identity, the meta
+    fields and the RNG state); the strategy is assigned only when all of it passed, so a checkpoint that fails to
+    load leaves the strategy as it was."""
     import ast
 
     path = Path(directory) / CHECKPOINT_FILE
@@ -94,40 +99,63 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
         raise CheckpointMismatch(f"run config differs from the checkpoint's in: {', '.join(diff)}")
     like = strategy.problem.prior
 
-    def factor(prefix: str):
-        return like.from_numpy({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+    # arrays are '<owner>|<array name>' and array names never hold '|' (a client id may): split at the last one,
+    # so that the sites of clients 'a' and 'a|x' ('site|a|eta1', 'site|a|x|eta1') are told apart exactly
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in arrays.items():
+        owner, sep, name = key.rpartition("|")
+        if not sep or not (owner in ("posterior", "global") or owner.startswith("site|")):
+            raise CheckpointMismatch(f"checkpoint holds an unexpected array {key!r}")
+        groups.setdefault(owner, {})[name] = value
+    posterior = like.from_numpy(groups.pop("posterior", {})).check_proper("checkpointed posterior")
+    global_site = like.from_numpy(groups.pop("global", {}))
+    sites = {owner[len("site|"):]: like.from_numpy(named) for owner, named in groups.items()}
+    sites = {cid: sites[cid] for cid in sorted(sites)}
 
-    st = strategy.state
-    st.posterior = factor("posterior|").check_proper("checkpointed posterior")
-    st.global_site = factor("global|")
-    cids = sorted({k[len("site|"):].rsplit("|", 1)[0] for k in arrays if k.startswith("site|")})
-    st.sites = {cid: factor(f"site|{cid}|") for cid in cids}
-    st.version = int(meta["version"])
-    strategy.ledger_versions = {k: int(v) for k, v in meta["ledger-versions"].items()}
-    strategy.ledger_tags = {k: str(v) for k, v in meta.get("ledger-tags", {}).items() if v}  # absent: all unknown
-    strategy.resync = set(meta["resync"])
-    strategy.round_completed = int(meta["round-completed"])
+    version = int(meta["version"])
+    ledger_versions = {k: int(v) for k, v in meta["ledger-versions"].items()}
+    ledger_tags = {k: str(v) for k, v in meta.get("ledger-tags", {}).items() if v}  # absent: all unknown
+    resync = set(meta["resync"])
+    round_completed = int(meta["round-completed"])
     # absent from checkpoints written before it existed: resume those as their version did, at round-completed + 1
-    strategy.round_applied = max(strategy.round_completed, int(meta.get("round-applied", strategy.round_completed)))
-    strategy.done_in_round = set(meta["done-in-round"])
-    strategy.rng.setstate(ast.literal_eval(meta["rng"]))
-    strategy.rejections = list(meta["rejections"])
-    strategy.bad_replies = {k: int(v) for k, v in meta.get("bad-replies", {}).items()}  # exclusions survive a resume
-    strategy.history = list(meta["history"])
-    strategy._posterior_record = None
-    if st.check_invariant() > _invariant_tolerance(st, strategy.ledger_versions):
+    round_applied = max(round_completed, int(meta.get("round-applied", round_completed)))
+    done_in_round = set(meta["done-in-round"])
+    rng_state = ast.literal_eval(meta["rng"])
+    random.Random().setstate(rng_state)  # a malformed state raises here, not half-way through the assignment
+    rejections = list(meta["rejections"])
+    bad_replies = {k: int(v) for k, v in meta.get("bad-replies", {}).items()}  # exclusions survive a resume
+    history = list(meta["history"])
+    total = like.zeros_like()
+    for site in sites.values():
+        total = total * site
+    if total.max_abs_diff(global_site) > _invariant_tolerance(global_site, sites, ledger_versions):
         raise CheckpointMismatch("checkpoint ledger is inconsistent: global site != product of sites")
 
+    st = strategy.state
+    st.posterior, st.global_site, st.sites, st.version = posterior, global_site, sites, version
+    strategy.ledger_versions = ledger_versions
+    strategy.ledger_tags = ledger_tags
+    strategy.resync = resync
+    strategy.round_completed = round_completed
+    strategy.round_applied = round_applied
+    strategy.done_in_round = done_in_round
+    strategy.rng.setstate(rng_state)
+    strategy.rejections = rejections
+    strategy.bad_replies = bad_replies
+    strategy.history = history
+    strategy._posterior_record = None
 
-def _invariant_tolerance(st: PGVIServerState, ledger_versions: dict[str, int]) -> float:
+
+def _invariant_tolerance(global_site: GaussianFactor, sites: dict[str, GaussianFactor],
+                         ledger_versions: dict[str, int]) -> float:
     """How far the running global site may drift from the sum of the sites by rounding alone.
 
     The global site is accumulated one Delta at a time, the sum of the sites is recomputed: each of the n
     additions rounds by at most eps of the magnitudes involved, so the drift is bounded by about
     n * eps * scale.  A relative 1e-6 is the floor (float64); in float32 (eps 1.2e-7) a long run needs more.
     """
-    factors = [st.global_site, *st.sites.values()]
+    factors = [global_site, *sites.values()]
     scale = max(1.0, *(float(v.abs().max()) for f in factors for v in f.params.values() if v.numel()))
-    eps = torch.finfo(st.global_site.dtype).eps
-    n = sum(ledger_versions.values()) + len(st.sites)
+    eps = torch.finfo(global_site.dtype).eps
+    n = sum(ledger_versions.values()) + len(sites)
     return max(1e-6, 4.0 * n * eps) * scale

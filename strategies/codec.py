@@ -124,6 +124,11 @@ def _load(name: str, arr: Array, shape: tuple[int, ...]) -> np.ndarray:
         value = arr.numpy()
     except Exception as err:  # malformed bytes: never let a peer crash the server
         raise ShapeMismatchError(f"{_short(name)} could not be decoded: {_short(str(err))}") from None
+    if not isinstance(value, np.ndarray):  # np.load of a zip (.npz) payload gives an NpzFile, not an array
+        close = getattr(value, "close", None)
+        if callable(close):
+            close()
+        raise ShapeMismatchError(f"{_short(name)} decodes to a {type(value).__name__}, not an array (.npy) payload")
     if tuple(value.shape) != shape:
         raise ShapeMismatchError(f"{_short(name)} decodes to shape {_short(tuple(value.shape))}, expected "
                                  f"{_short(shape)}")
