@@ -276,9 +276,14 @@ def run_clutter(out: Path, img: Path, seeds: int = 10, tiny: bool = False) -> di
     sweep_table: dict[str, dict[str, Any]] = {}
     for e in sweep_eps:
         for meth in sweep_methods:
-            vals = [r["abs_error"] for r in sweep_rows if r["eps"] == e and r["method"] == meth["name"] and "abs_error" in r]
+            cell = [r for r in sweep_rows if r["eps"] == e and r["method"] == meth["name"]]
+            vals = [r["abs_error"] for r in cell if "abs_error" in r]
             m_, s_ = mean_std(vals)
-            sweep_table.setdefault(meth["name"], {})[f"{e:g}"] = {"abs_error_mean": m_, "abs_error_std": s_, "n": len(vals)}
+            errors = [f"seed {r['seed']}: {str(r['error'])[:300]}" for r in cell if r.get("error")]
+            # n = runs that finished; a failed run is counted and named, never silently left out of the mean
+            sweep_table.setdefault(meth["name"], {})[f"{e:g}"] = {
+                "abs_error_mean": m_, "abs_error_std": s_, "n": len(vals), "runs": len(cell),
+                "failures": len(errors), **({"errors": errors} if errors else {})}
     summary = {
         "experiment": "clutter",
         "settings": {"n": n, "eps": eps, "num_clients": num_clients, "rounds_max": rounds, "seeds": seeds,

@@ -8,8 +8,9 @@ Every scenario runs the conjugate Gaussian-location model (``model=gaussian_loca
 ``dataset=synthetic_gaussian_location``, ``family=full_covariance``, ``dtype=float64``, ``loss=nll``,
 ``divergence=kl``, synchronous schedule, ``damping=auto`` = 1/M, ``evaluate-clients=false``) through
 ``flwr run`` on a :class:`scripts.deploy.Deployment`, and is compared with a fault-free run of the same
-config.  Scenarios (``--only`` names; ``invalid`` = the four invalid-reply ones, ``byzantine`` = all six
-Byzantine runs):
+config.  Scenarios (``--only`` names).  Groups: ``invalid`` = ``invalid-combined`` + ``invalid-huge``,
+``invalid-each`` = the four one-kind ``invalid-<kind>`` runs, ``replies-each`` = ``lose-reply`` +
+``crash-before-reply`` (see ``GROUPS``); ``byzantine`` = all six Byzantine runs:
 
 =====================  ==========================================================================================
 ``baseline``           3 clients, no fault (the reference of every 3-client scenario; always run with them)
@@ -20,6 +21,9 @@ Byzantine runs):
 ``crash-before-reply`` ``fault=crash-before-reply@2`` on node 1 (ClientApp dies before staging)
 ``serverapp-kill``     SIGKILL the run's ``flwr-serverapp`` process once round 2's checkpoint is on disk, stop the
                        run, then ``flwr run`` again with ``resume=<first run's output dir>``
+``reply-faults``       ``lose-reply@2`` on node 1 and ``crash-before-reply@2`` on node 0 in the same run
+``invalid-combined``   one invalid kind per round, each on its own node: node 0 ``nan@1``, node 1
+                       ``wrong-shape@2``, node 2 ``improper@3``
 ``invalid-<kind>``     ``fault=<kind>@2`` on node 1, kind in nan, wrong-shape, improper, huge
 ``byzantine``          10 honest + 1 Byzantine client (node 10, ``fault=scale:10`` or ``flip`` in every round),
                        aggregator ``sum`` and ``median``, plus the honest runs with both aggregators

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,11 +87,11 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs] | acc final | 90.00 (1 seed) |" in long_table
     assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 20 local epochs] | acc final | 95.00 (1 seed) |" in long_table
     assert "PVI" not in long_table
-    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs] | published (best) | 87.21 |" in long_table
+    assert "| FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs] | issue reference (best) | 87.21 |" in long_table
     row = next(line for line in text.splitlines() if line.startswith("| PVI | acc final"))
     assert f"{84.0:.2f} ± {np.std([80, 84, 88], ddof=1):.2f} (3 seeds)" in row
     assert "| FedAvg | acc best | 60.00 (1 seed) |" in text
-    assert "| PVI | published (best) | 82.81 |" in text
+    assert "| PVI | issue reference (best) | 82.81 |" in text
     assert (tmp_path / "results.csv").exists() and len(json.loads((tmp_path / "results.json").read_text())) == 6
     # file names depend on the rounds only (the base budget of 10 rounds has no tag), not on which runs exist
     assert (tmp_path / "img" / "fmnist_noise40_2rounds_curves.png").stat().st_size > 1000
@@ -143,5 +146,166 @@ def test_report_never_averages_runs_whose_settings_differ_beyond_the_seed(tmp_pa
     text = E.report_fmnist_noise(tmp_path)
     # before: one cell "70.00 ± 10.00 (3 seeds)"-style mean over all four runs
     assert "| FedGVI (GCE 0.8 + AR 2.5) [mc-samples=1] | acc final | 60.00 (1 seed) |" in text
-    assert "| FedGVI (GCE 0.8 + AR 2.5) [mc-samples=—] | acc final | 81.00 ± 1.00 (3 seeds) |" in text
-    assert "have the same settings and seed" in capsys.readouterr().err  # -seed0 and -seed0-again
+    # -seed0 and -seed0-again: the same settings and seed, so two rows (by suffix), not "(3 seeds)"
+    assert ("| FedGVI (GCE 0.8 + AR 2.5) [mc-samples=—] [runs without a suffix] | acc final | 81.00 ± 1.41 (2 seeds) |"
+            in text)
+    assert "| FedGVI (GCE 0.8 + AR 2.5) [mc-samples=—] [runs *-again] | acc final | 81.00 (1 seed) |" in text
+    err = capsys.readouterr().err
+    assert "fedgvi-noise40-seed0, fedgvi-noise40-seed0-again have the same settings, noise 0.4 and seed 0" in err
+
+
+def test_report_counts_distinct_seeds_and_never_averages_two_runs_of_one_seed(tmp_path, monkeypatch, capsys):
+    """Two runs of seed 0 with identical settings (a rerun under another suffix) are not "2 seeds": each gets its
+    own row, labelled by its run-name suffix, with a warning naming both."""
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    monkeypatch.setattr(E, "_plot_reliability", lambda *a: None)
+    _fake_run(tmp_path, "pvi-noise40-seed0-long", "pvi", 0.4, 0, [0.5, 0.80], [0.1, 0.1])
+    _fake_run(tmp_path, "pvi-noise40-seed0-rerun", "pvi", 0.4, 0, [0.5, 0.84], [0.1, 0.1])
+    _fake_run(tmp_path, "pvi-noise40-seed1-rerun", "pvi", 0.4, 1, [0.5, 0.86], [0.1, 0.1])
+    text = E.report_fmnist_noise(tmp_path)
+    assert "(3 seeds)" not in text and "82.00 ± 2.83 (2 seeds)" not in text  # old: seed 0 twice in one mean
+    assert "| PVI [runs *-long] | acc final | 80.00 (1 seed) |" in text
+    assert "| PVI [runs *-rerun] | acc final | 85.00 ± 1.41 (2 seeds) |" in text
+    assert "pvi-noise40-seed0-long, pvi-noise40-seed0-rerun have the same settings, noise 0.4 and seed 0" in (
+        capsys.readouterr().err)
+    # a cell is never computed from two runs of one seed, whoever calls it
+    with pytest.raises(ValueError, match="same seed"):
+        E._mean_std([80.0, 84.0], [0, 0])
+
+
+def test_noniid_report_seed_column_counts_distinct_seeds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    for name, final in (("fedgvi-synchronous-seed0", 0.7), ("fedgvi-synchronous-seed0-again", 0.8)):
+        _fake_run(tmp_path, name, "fedgvi", 0.0, 0, [0.5, final], [0.1, 0.1],
+                  **{"num-clients": 10, "partitioner": "dirichlet"})
+    text = E.report_fmnist_noniid(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| FedGVI")]
+    # before: one row "| synchronous | 2 | 75.00 ± 7.07 (2 seeds) |" for a single seed
+    assert len(rows) == 2, text
+    assert "| synchronous [runs without a suffix] | 1 | 70.00 (1 seed) | 70.00 (1 seed) |" in rows[1]
+    assert "| synchronous [runs *-again] | 1 | 80.00 (1 seed) | 80.00 (1 seed) |" in rows[0]
+    assert "have the same settings, noise 0 and seed 0" in capsys.readouterr().err
+
+
+def _finished(run, cfg: dict) -> None:
+    run.out.mkdir(parents=True)
+    (run.out / "run_config.json").write_text(json.dumps(cfg))
+    (run.out / "summary.json").write_text("{}")
+
+
+def test_execute_skips_a_finished_run_only_when_its_recorded_settings_are_the_requested_ones(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    """A finished run under the requested name is skipped only if its run_config.json matches the request; with
+    other settings the runner refuses (naming every differing key) before starting anything, never skips."""
+    monkeypatch.setattr(E, "RUNS", tmp_path)
+    calls = []
+    monkeypatch.setattr(E.subprocess, "call", lambda *a, **k: calls.append(a) or 0)
+    same, other = E.fmnist_noise_runs(["fedgvi"], [0.4], [0, 1])
+    for run in (same, other):
+        run.name += "-rerun"
+    _finished(same, E.requested_config(same))  # what run_inprocess.py records for this request
+    # a finished run of the same name made with another learning rate and budget (e.g. an older command)
+    _finished(other, {**E.requested_config(other), "lr": 0.003, "num-server-rounds": 25})
+    E.execute(same)
+    assert not calls and "[skip] fedgvi-noise40-seed0-rerun" in capsys.readouterr().out
+    with pytest.raises(E.RunConfigMismatch) as err:
+        E.execute(other)  # before: "[skip]", and its numbers would have been reported as this request's
+    msg = str(err.value)
+    assert "fedgvi-noise40-seed1-rerun" in msg and "lr: finished run 0.003, requested 0.001" in msg
+    assert "num-server-rounds: finished run 25, requested 10" in msg and msg.count("finished run ") == 3, msg
+    assert not calls
+    # through the CLI: the mismatch is found before any run starts, and nothing is run
+    (same.out / "summary.json").unlink()  # seed 0 would now run first if the check came late
+    with pytest.raises(SystemExit, match="nothing was run"):
+        E.main(["fmnist-noise", "--noise", "0.4", "--seeds", "0", "1", "--methods", "fedgvi", "--suffix=-rerun"])
+    assert not calls
+    assert "num-server-rounds: finished run 25, requested 10" in capsys.readouterr().err
+    # a request with the finished run's settings is a match, so it is skipped, not refused
+    E.main(["fmnist-noise", "--noise", "0.4", "--seeds", "1", "--methods", "fedgvi", "--suffix=-rerun",
+            "-c", "lr=0.003", "-c", "num-server-rounds=25"])
+    assert not calls and "[skip] fedgvi-noise40-seed1-rerun" in capsys.readouterr().out
+
+
+def test_config_differences_names_each_key_and_treats_unrecorded_keys_by_their_default():
+    base = E.requested_config(E.fmnist_noise_runs(["pvi"], [0.0], [0])[0])
+    assert E.config_differences(dict(base), base) == []
+    assert E.config_differences({**base, "output-dir": "elsewhere"}, base) == []  # where it wrote is no setting
+    old = {k: v for k, v in base.items() if k != "pipeline-evaluation"}  # a run from before the key existed
+    assert E.config_differences(old, base) == []  # requested value = the default
+    assert E.config_differences(old, {**base, "pipeline-evaluation": False}) == [
+        "pipeline-evaluation: not recorded by the finished run, requested False"]
+    assert E.config_differences({**base, "max-staleness": 2}, base) == [
+        "max-staleness: finished run 2, requested 'auto'"]
+    assert E.config_differences({**base, "checkpoint": 0}, base) == ["checkpoint: finished run 0, requested False"]
+    assert E.config_differences({**base, "method": "fedavg"}, base) == [
+        "method: finished run 'fedavg', not a setting of the requested run"]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commands(text: str) -> list[list[str]]:
+    """The ``$E ...`` commands of a bash text (run_experiments.sh, or a fenced block of RESULTS.md) as argv lists
+    of ``experiments.py``, with the script's variables (``LONG``, ``LR3``, ``A``) expanded; ``report`` left out."""
+    env: dict[str, str] = {}
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        for part in line.split(";"):
+            part = part.split("#")[0].split(">")[0].strip().removesuffix("&").strip()
+            if m := re.fullmatch(r'(\w+)="(.*)"', part):
+                env[m.group(1)] = re.sub(r"\$(\w+)", lambda v: env[v.group(1)], m.group(2))
+            elif part.startswith("$E "):
+                argv = shlex.split(re.sub(r"\$(\w+)", lambda v: env[v.group(1)], part[3:]))
+                if argv[0] != "report":
+                    out.append(argv)
+    return out
+
+
+def _planned(argv: list[str], monkeypatch, tmp_path) -> list:
+    """The runs one ``experiments.py`` command would execute (nothing is run)."""
+    got: list = []
+    monkeypatch.setattr(E, "RUNS", tmp_path / "none")
+    monkeypatch.setattr(E, "execute", lambda run, dry_run=False: got.append(run))
+    E.main(argv)
+    return got
+
+
+def test_run_experiments_sh_recreates_the_noniid_table_and_has_no_dead_command(monkeypatch, tmp_path):
+    """Every run of the non-IID table (three staleness bounds) comes from a command of run_experiments.sh, no
+    command plans only runs an earlier command already made, and a name planned twice has the same settings."""
+    seen: dict[str, dict] = {}
+    for argv in _commands((ROOT / "scripts" / "run_experiments.sh").read_text()):
+        runs = _planned(argv, monkeypatch, tmp_path)
+        assert runs, argv
+        assert any(r.name not in seen for r in runs), f"dead command (every run made before): {argv}"
+        for r in runs:
+            cfg = E.requested_config(r)
+            assert E.config_differences(seen.get(r.name, cfg), cfg) == [], r.name
+            seen[r.name] = cfg
+    staleness = {n: seen[n]["max-staleness"] for n in seen if n.startswith("fedgvi-asynchronous-seed0")}
+    assert staleness == {"fedgvi-asynchronous-seed0": "auto", "fedgvi-asynchronous-seed0-staleness10": 10,
+                         "fedgvi-asynchronous-seed0-staleness2": 2}
+
+
+def test_results_md_rerun_commands_use_names_of_their_own(monkeypatch, tmp_path):
+    """The rerun commands printed in docs/RESULTS.md never reuse a run name of run_experiments.sh or of another
+    block: the runner skips a finished run with the same settings, so a reused name would rerun nothing."""
+    script = {r.name for argv in _commands((ROOT / "scripts" / "run_experiments.sh").read_text())
+              for r in _planned(argv, monkeypatch, tmp_path)}
+    doc = (ROOT / "docs" / "RESULTS.md").read_text()
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", doc, flags=re.S) if "experiments.py" in b]
+    assert len(blocks) >= 4
+    owner: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        for argv in _commands(block):
+            for r in _planned(argv, monkeypatch, tmp_path):
+                assert r.name not in script, f"RESULTS.md block {i} reuses {r.name} of run_experiments.sh"
+                assert owner.setdefault(r.name, i) == i, f"blocks {owner[r.name]} and {i} both name {r.name}"
+
+
+def test_reference_values_are_not_credited_to_the_paper():
+    src = (ROOT / "scripts" / "experiments.py").read_text()
+    assert "published" not in src.lower() and "FedGVI paper, Table" not in src
+    doc = (ROOT / "docs" / "RESULTS.md").read_text()
+    assert "published = FedGVI paper" not in doc and "| published (best) |" not in doc
+    assert "with 25 local epochs, reached 48.97" not in doc
