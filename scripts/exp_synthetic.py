@@ -600,12 +600,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configure_compute(1)  # here, not at import: importing the module must not change the process's torch settings
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=(*EXPERIMENTS, "all"))
-    ap.add_argument("--seeds", type=int, default=None, help="seeds (default: clutter 10, influence 1, logistic2d 3)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds (default: clutter 10, influence 1, logistic2d 10)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "experiments")
     ap.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
     ap.add_argument("--tiny", action="store_true", help="a few-second smoke-test size (for the tests)")
     args = ap.parse_args(argv)
-    defaults = {"clutter": 10, "influence": 1, "logistic2d": 3}
+    defaults = {"clutter": 10, "influence": 1, "logistic2d": 10}
     if args.tiny:
         defaults = {"clutter": 1, "influence": 1, "logistic2d": 1}
     todo = EXPERIMENTS if args.experiment == "all" else (args.experiment,)
