@@ -646,6 +646,11 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     bound = {rnd: float(row[rnd]["started-at"]) if "started-at" in row.get(rnd, {}) else t_row[rnd - 1]
              for rnd in range(1, args.rounds + 1)}
     bound[args.rounds + 1] = t_row[args.rounds]
+    # with pipeline-evaluation, rounds 1..R-1 end when the next one starts and their server evaluation runs during
+    # the next round; only the last round's row waits for its evaluation: leave that out, as for the others
+    last_eval = float(row[args.rounds].get("server-seconds-evaluate", 0.0)) if args.pipeline_evaluation else 0.0
+    bound[args.rounds + 1] -= last_eval
+    result["last-round-evaluation-excluded-s"] = last_eval
     per_round = []
     for rnd in range(1, args.rounds + 1):
         t0, t1 = bound[rnd], bound[rnd + 1]
@@ -686,6 +691,15 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
                                if k.startswith("server-seconds-")},
         })  # fmt: skip
     result["rounds"] = per_round
+    # the wire over the whole run (TLS, gRPC and HTTP/2 framing, heartbeats and polls included): per round, replies
+    # arriving within a sampling tick of a round boundary land in the neighbouring round
+    applied_all = sum(p["applied"] for p in per_round)
+    sent_all = sum(p["sent"] for p in per_round)
+    t_first, t_last = bound[1], bound[args.rounds + 1] + last_eval
+    result["wire-run"] = {
+        "node->link-per-update": wire.between("node->link", t_first, t_last) / applied_all if applied_all else float("nan"),
+        "link->node-per-message": wire.between("link->node", t_first, t_last) / sent_all if sent_all else float("nan"),
+    }
     result["row-times"] = {r: t - t_row[0] for r, t in t_row.items()}
     result["round-starts"] = {r: t - t_row[0] for r, t in bound.items()}
     result["clientapp-processes"] = [
@@ -697,7 +711,8 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     cores = os.cpu_count() or 1
 
     print("\nper-round wall time split (seconds; round r = start of round r+1 - start of round r, the rows' started-at; "
-          "the last round ends at its row):")
+          "the last round ends at its row" + (f", minus its server evaluation ({last_eval:.2f} s), which the other "
+                                              "rounds overlap with the next round" if last_eval else "") + "):")
     print(table(
         ["round", "wall", "cli-s max", "cli-s mean", "overhead", "ovh %", "dispatch", "in-app", "tail", "app life max"],
         [[p["round"], p["wall-s"], p["client-seconds-max"], p["client-seconds-mean"], p["overhead-s"],
@@ -740,10 +755,16 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
           f"{max(p['clientapp-rss-peak-mb'] for p in per_round):.0f} MB (one flwr-clientapp per train message)")
     ovh = max(p["overhead-frac"] for p in per_round)
     ratio = max(p["bytes-per-update"] for p in per_round) / PAYLOAD_BYTES
-    result["targets"] = {"overhead<=10%": ovh <= 0.10, "bytes<=1.05x": ratio <= 1.05,
-                         "worst-overhead-frac": ovh, "worst-bytes-ratio": ratio}
+    wire_up = result["wire-run"]["node->link-per-update"] / PAYLOAD_BYTES
+    wire_down = result["wire-run"]["link->node-per-message"] / PAYLOAD_BYTES
+    print(f"\nthe wire over the whole run (TCP bytes_acked of the SuperNodes' Fleet connections: TLS, gRPC, HTTP/2, "
+          f"heartbeats and polls included): node->link {wire_up:.4f} x payload per applied update, link->node "
+          f"{wire_down:.4f} x payload per message sent")
+    result["targets"] = {"overhead<=10%": ovh <= 0.10, "bytes<=1.05x": wire_up <= 1.05,
+                         "worst-overhead-frac": ovh, "wire-run-bytes-ratio": wire_up, "worst-arrayrecord-ratio": ratio}
     print(f"target overhead <= 10 % of the round: worst round {100 * ovh:.1f} % -> {verdict(ovh <= 0.10)}")
-    print(f"target bytes per update <= 1.05 x payload: {ratio:.4f} x -> {verdict(ratio <= 1.05)}")
+    print(f"target bytes sent per update <= 1.05 x payload: {wire_up:.4f} x on the wire over the run (the Delta's "
+          f"ArrayRecord alone: {ratio:.4f} x) -> {verdict(wire_up <= 1.05)}")
     print(f"uptime after: {result['uptime-after']}", flush=True)
     return result
 
