@@ -238,6 +238,11 @@ int pgvi_head_block(const float *restrict mu, const float *restrict sd, int64_t 
                     else V[(k - 4) * CP + c] = bv[c] + sums[o - ch];
                 }
             }
+            /* rows k >= nr (the last group of a block whose row count is not a multiple of RG) hold no data: their
+               variance would be bv alone, and an exactly zero output-bias variance made sqrt 0 and their gradient
+               0 * 0 / 0 = NaN, summed into every d/dw_var and d/db_var; give them variance 1 like the class pads */
+            for (int k = nr; k < RG; k++)
+                for (int64_t c = 0; c < C; c++) V[k * CP + c] = 1.0f;
             /* logits, softmax and the loss's gradient in the group's RG x CP slots: class slots c >= C have
                mean 0, variance 1, noise 0 and logit -inf (probability 0, gradient 0); rows k >= nr get factor 0 */
             for (int k = 0; k < RG; k++) {
@@ -468,6 +473,8 @@ def expected_loss(mu: Tensor, var: Tensor, w_mean: Tensor, b_mean: Tensor, w_var
         raise ValueError(f"fused head: mu and var must be (R, H) of one shape, got {tuple(mu.shape)}, "
                          f"{tuple(var.shape)}")
     rows, width = mu.shape
+    if rows == 0:
+        raise ValueError("fused head: no rows (an empty batch has no expected loss to differentiate)")
     classes = w_mean.shape[0] if w_mean.dim() == 2 else -1
     if (w_mean.shape != (classes, width) or w_var.shape != w_mean.shape or b_mean.shape != (classes,)
             or b_var.shape != (classes,)):

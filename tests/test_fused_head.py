@@ -133,6 +133,30 @@ def test_rejects_what_it_cannot_take() -> None:
     assert fused_head.loss_spec(make_loss("gamma", gamma=1.5)) is None
 
 
+@pytest.mark.parametrize("R", [3, 5, 130])
+def test_a_zero_output_bias_variance_gives_finite_gradients_with_a_ragged_last_row_group(R) -> None:
+    """b_var = 0 exactly (a deterministic output bias): the empty slots of the last group of 4 rows had variance
+    0, sqrt 0 and gradient 0 * 0 / 0 = NaN, which the block sum spread over all of d/dw_var and d/db_var."""
+    params = _inputs(R, 7, 3, seed=3)
+    with torch.no_grad():
+        params[5].zero_()
+    y = torch.randint(0, 3, (R,), generator=torch.Generator().manual_seed(4))
+    loss = make_loss("nll")
+    value = fused_head.expected_loss(*params, y, 2, 2, loss, torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad(value, params)
+    ref_grads = torch.autograd.grad(_torch_reference(params, y, 2, 2, loss, _key(7)), params)
+    for name, g, r in zip(["mu", "var", "w_mean", "b_mean", "w_var", "b_var"], grads, ref_grads):
+        assert bool(torch.isfinite(g).all()), name
+        assert float((g - r).abs().max() / r.abs().max()) < 1e-4, name
+
+
+def test_an_empty_batch_is_refused_with_a_clear_error() -> None:
+    params = _inputs(0, 7, 3)
+    with pytest.raises(ValueError, match="no rows"):
+        fused_head.expected_loss(*params, torch.zeros(0, dtype=torch.int64), 2, 2, make_loss("nll"),
+                                 torch.Generator().manual_seed(7))
+
+
 def _bnn(hidden: list[int], fused: bool = True):  # type: ignore[no-untyped-def]
     model = make_model("bnn", in_features=12, hidden=hidden, num_classes=4, fused_sampling=fused)
     mean = model.init_mean(torch.Generator().manual_seed(0))
