@@ -86,7 +86,10 @@ def client_step(
             {
                 "conjugate": 0.0,
                 "epochs": float(res.epochs_run),
-                "objective": float(min(res.objective_trace)) if res.objective_trace else float("nan"),
+                # the returned state's (local_gvi's final_objective: the initial state and a kept polish count;
+                # for the BNN's "running" estimate, the best epoch's running mean), not min(trace)
+                "objective": float(res.final_objective),
+                "best-epoch": float(res.best_epoch),
                 "local-seconds": float(res.wall_time_s),
             }
         )

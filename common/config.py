@@ -269,6 +269,29 @@ class RunConfig(BaseModel):
                     "so no contamination is applied")
         return None
 
+    def aggregator_warning(self) -> str | None:
+        """Why the Byzantine-robust aggregator cannot limit any client in this run's synchronous batches of
+        ``M = max(1, round(fraction-train * num-clients))`` Deltas (fewer if clients fail), or ``None``: a trimmed
+        mean that trims ``floor(trim * M) = 0`` values, a median of at most 2 values and a median-relative clipping
+        bound of at most 2 norms are the plain mean / no clipping.  Not an error (a configuration may be reused
+        with more clients); the server logs it before round 1."""
+        if self.schedule != "synchronous" or self.aggregator == "sum":
+            return None
+        m = max(1, int(round(self.fraction_train * self.num_clients)))
+        if self.aggregator == "trimmed_mean" and int(self.aggregator_trim * m) == 0:
+            return (f"aggregator trimmed_mean with aggregator-trim = {self.aggregator_trim:g} trims floor("
+                    f"{self.aggregator_trim:g} x {m}) = 0 of the {m} Deltas of a round: it is the plain mean and "
+                    "bounds no client")
+        if self.aggregator == "median" and m <= 2:
+            return f"aggregator median of {m} Delta(s) a round is their mean: it bounds no client"
+        # median-relative bound: mult * b >= b for one Delta; mult * (a + b) / 2 >= b for two iff mult >= 2
+        if self.aggregator == "norm_clip" and not self.aggregator_clip_norm and m <= 2 \
+                and self.aggregator_clip_multiplier >= m:
+            return (f"aggregator norm_clip with the median-relative bound (multiplier "
+                    f"{self.aggregator_clip_multiplier:g}) over {m} Delta(s) a round never clips: set "
+                    "aggregator-clip-norm to a fixed bound")
+        return None
+
     def _prior_errors(self) -> list[str]:
         """The prior's variance v and precision 1/v must be normal numbers of the run's dtype (else the prior is
         improper: 0 or inf after the cast), and its mean must fit in it."""

@@ -152,6 +152,9 @@ class LocalGVIConfig:
             raise ValueError(f"LocalGVIConfig.min_delta must be a finite number >= 0, got {self.min_delta!r}")
         if not is_int(self.seed):
             raise ValueError(f"LocalGVIConfig.seed must be an integer, got {self.seed!r}")
+        if not -(2**63) <= self.seed <= 2**64 - 1 - _EVAL_SEED_OFFSET:  # torch's seed range, evaluation offset added
+            raise ValueError(f"LocalGVIConfig.seed must be in [-2**63, 2**64 - 1 - {_EVAL_SEED_OFFSET:#x}], "
+                             f"got {self.seed}")
         if self.init not in INIT_CHOICES:
             raise ValueError(f"LocalGVIConfig.init must be one of {INIT_CHOICES}, got {self.init!r}")
         if not is_int(self.quadrature_points) or self.quadrature_points < 0 or self.quadrature_points > 100:
@@ -677,6 +680,8 @@ def gvi_objective(
     config = config or LocalGVIConfig()
     cavity.check_proper("cavity")
     q.check_proper("q")
+    if int(y.shape[0]) == 0 or (x is not None and x.shape[0] == 0):
+        raise ValueError("gvi_objective: no data (x and y are empty)")
     if x is None:
         x = torch.zeros((int(y.shape[0]), 0), dtype=y.dtype if torch.is_floating_point(y) else cavity.dtype)
     dtype = config.dtype or cavity.dtype

@@ -40,6 +40,8 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
     train_partition(cfg)  # an infeasible partition: ConfigError naming partitioner/num-clients/... (cached for clients)
     if (why := cfg.ignored_label_noise()) is not None:
         log(WARNING, "run config: %s", why)
+    if (why := cfg.aggregator_warning()) is not None:
+        log(WARNING, "run config: %s", why)
     if cfg.torch_threads:
         configure_threads(cfg.torch_threads)
     try:  # a bad PGVI_FLUSH_DENORMALS fails here, before round 1

@@ -177,3 +177,21 @@ def test_pyproject_app_config_parses():
 def test_nan_alpha_is_rejected(key, div):
     with pytest.raises(ConfigError, match=key):
         parse_run_config({div: "alpha_renyi", key: float("nan")})
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    ({"aggregator": "trimmed_mean", "num-clients": 4, "min-clients": 2}, "trims floor"),  # floor(0.2 * 4) = 0
+    ({"aggregator": "trimmed_mean", "num-clients": 10, "min-clients": 2}, None),  # trims 2 of 10
+    ({"aggregator": "trimmed_mean", "num-clients": 10, "min-clients": 2, "fraction-train": 0.4}, "trims floor"),
+    ({"aggregator": "median", "num-clients": 2, "min-clients": 2}, "is their mean"),
+    ({"aggregator": "median", "num-clients": 3, "min-clients": 2}, None),
+    ({"aggregator": "norm_clip", "num-clients": 2, "min-clients": 2}, "never clips"),  # multiplier 2, two norms
+    ({"aggregator": "norm_clip", "num-clients": 2, "min-clients": 2, "aggregator-clip-multiplier": 1.5}, None),
+    ({"aggregator": "norm_clip", "num-clients": 2, "min-clients": 2, "aggregator-clip-norm": 5.0}, None),
+    ({"aggregator": "sum", "num-clients": 2, "min-clients": 2}, None),
+])
+def test_a_robust_aggregator_that_cannot_bound_any_client_is_warned_about(overrides, warned):
+    from common.config import parse_run_config
+
+    why = parse_run_config(overrides).aggregator_warning()
+    assert (why is None) if warned is None else (warned in why)
