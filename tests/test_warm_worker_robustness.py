@@ -136,6 +136,17 @@ def fallback_handle(monkeypatch):
     return computed, logged
 
 
+def _clientapp_compute_against(fake: _DyingWorker) -> tuple[bool, dict]:
+    """The ClientApp's ``_compute`` of an evaluate request with ``fake`` as its node's worker (30-s worker
+    timeout, bounded at 60 s); the fake is closed afterwards.  ``(finished, outcome)`` as :func:`_bounded`."""
+    try:
+        ctx = SimpleNamespace(node_config={"compute-worker": str(fake.sock), "compute-worker-timeout-s": 30})
+        done, out, _ = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
+    finally:
+        fake.close()
+    return done, out
+
+
 @pytest.mark.parametrize("mode", ["eof", "reset"])
 def test_worker_dying_mid_request_is_unavailable_and_the_clientapp_falls_back(tmp_path, mode, fallback_handle):
     computed, logged = fallback_handle
@@ -151,12 +162,7 @@ def test_worker_dying_mid_request_is_unavailable_and_the_clientapp_falls_back(tm
     assert isinstance(err, warm_worker.WorkerLost), out
     assert "mid-request" in str(err)
 
-    fake = _DyingWorker(tmp_path / "app", mode)
-    try:
-        ctx = SimpleNamespace(node_config={"compute-worker": str(fake.sock), "compute-worker-timeout-s": 30})
-        done, out, _ = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
-    finally:
-        fake.close()
+    done, out = _clientapp_compute_against(_DyingWorker(tmp_path / "app", mode))
     assert done and out.get("value") == "computed in the ClientApp", out
     assert len(computed) == 1
     assert [lv for lv, m in logged if "mid-request" in m and "computing in the ClientApp process" in m] == [30]
@@ -164,12 +170,7 @@ def test_worker_dying_mid_request_is_unavailable_and_the_clientapp_falls_back(tm
 
 def test_a_reply_the_clientapp_cannot_unpickle_is_unavailable(tmp_path, fallback_handle):
     computed, logged = fallback_handle
-    fake = _DyingWorker(tmp_path / "w", "garbage")
-    try:
-        ctx = SimpleNamespace(node_config={"compute-worker": str(fake.sock), "compute-worker-timeout-s": 30})
-        done, out, _ = _bounded(lambda: app_module._compute(_request("evaluate"), ctx), 60)
-    finally:
-        fake.close()
+    done, out = _clientapp_compute_against(_DyingWorker(tmp_path / "w", "garbage"))
     assert done and out.get("value") == "computed in the ClientApp", out
     assert [lv for lv, m in logged if "could not read the worker's reply" in m] == [30], logged
 
