@@ -226,11 +226,10 @@ class RunConfig(BaseModel):
             errors.append(
                 f"min-clients: {self.min_clients} is more than the {self.num_clients} clients of the federation (num-clients)"
             )
-        regression = REGRESSION_DATASETS
-        if self.model in REGRESSION_MODELS and self.dataset not in regression:
-            errors.append(f"dataset: model '{self.model}' needs real-valued targets ({' or '.join(regression)}); "
-                          f"'{self.dataset}' is a classification dataset")
-        if self.model in ("logistic_regression", "bnn") and self.dataset in regression:
+        if self.model in REGRESSION_MODELS and self.dataset not in REGRESSION_DATASETS:
+            errors.append(f"dataset: model '{self.model}' needs real-valued targets "
+                          f"({' or '.join(REGRESSION_DATASETS)}); '{self.dataset}' is a classification dataset")
+        if self.model in ("logistic_regression", "bnn") and self.dataset in REGRESSION_DATASETS:
             errors.append(f"dataset: model '{self.model}' is a classifier; '{self.dataset}' has real-valued targets")
         if self.real_valued_targets and self.partitioner in LABEL_PARTITIONERS:
             errors.append(f"partitioner: '{self.partitioner}' splits by class; '{self.dataset}' has real-valued "

@@ -695,7 +695,7 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     # arriving within a sampling tick of a round boundary land in the neighbouring round
     applied_all = sum(p["applied"] for p in per_round)
     sent_all = sum(p["sent"] for p in per_round)
-    t_first, t_last = bound[1], bound[args.rounds + 1] + last_eval
+    t_first, t_last = bound[1], t_row[args.rounds]  # the whole run, the last round's evaluation included
     result["wire-run"] = {
         "node->link-per-update": wire.between("node->link", t_first, t_last) / applied_all if applied_all else float("nan"),
         "link->node-per-message": wire.between("link->node", t_first, t_last) / sent_all if sent_all else float("nan"),

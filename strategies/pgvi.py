@@ -74,7 +74,8 @@ _RETRY_BACKOFF_MAX = 5.0  # seconds between two attempts of a failing Runtime AP
 _QUERY_TIMEOUT_MAX = 60.0  # seconds a mid-run identity query may block the schedule
 POLL_FACTOR = 1.5  # growth of the wait between two pulls for replies while none arrives (up to poll_max)
 _REQUERY_FIRST, _REQUERY_MAX = 30.0, 600.0  # backoff before asking an unidentified node again (doubles)
-RESEND_FIRST, RESEND_MAX = 1.0, 30.0  # asynchronous: wait before re-sending to a node whose message failed (doubles)
+RESEND_FIRST, RESEND_MAX = 1.0, 30.0  # asynchronous: wait before re-sending to a node whose message failed
+RESEND_FACTOR = 2.0  # growth of that wait per further failure (up to resend_max)
 
 
 def _sleep_until(seconds: float, until: float) -> None:
@@ -277,8 +278,8 @@ class PGVIStrategy(Strategy):
         self.retry_backoff = retry_backoff  # first wait after a transient Runtime API error (doubles per retry)
         # asynchronous: a node whose message failed is sent its next one after resend_first seconds, doubling with
         # each further failure up to resend_max; any other outcome (a reply, even a rejected one) resets it
-        GeometricBackoff(resend_first, resend_max, 2.0)  # a bad pair fails here, not in round 1
         self.resend_first, self.resend_max = resend_first, resend_max
+        self._resend_backoff()  # a bad pair fails here, not in round 1
         self.rng = random.Random(self.cfg.seed)
         self.rho = self.cfg.rho()
         self._posterior_record: tuple[int, ArrayRecord, str] | None = None  # (version, wire record, its layout)
@@ -621,7 +622,7 @@ class PGVIStrategy(Strategy):
             if not failed:
                 resend_at.pop(node, None)
                 return
-            backoff = resend_at[node][1] if node in resend_at else GeometricBackoff(self.resend_first, self.resend_max, 2.0)
+            backoff = resend_at[node][1] if node in resend_at else self._resend_backoff()
             resend_at[node] = (time.time() + backoff.next_wait(), backoff)
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
@@ -931,6 +932,11 @@ class PGVIStrategy(Strategy):
         clients' work; every pull is an HTTP request that costs the SuperLink about 8 ms of CPU (Flower 1.39,
         ``docs/bench_network.md`` section 1k), so a fixed fast poll during minutes of local training is wasted."""
         return GeometricBackoff(self.poll_interval, self.poll_max, POLL_FACTOR)
+
+    def _resend_backoff(self) -> GeometricBackoff:
+        """Asynchronous: the waits before re-sending to a node whose messages keep failing, ``resend_first``
+        growing by :data:`RESEND_FACTOR` up to ``resend_max``."""
+        return GeometricBackoff(self.resend_first, self.resend_max, RESEND_FACTOR)
 
     def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float,
                           stats: RoundStats | None = None, after_push: Callable[[], None] | None = None) -> list[Message]:
