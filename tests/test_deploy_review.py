@@ -151,8 +151,9 @@ def _fake_bins(tmp_path: Path, supernode_body: str) -> Path:
 
 
 def _superexecs(dep: Deployment) -> list[int]:
-    """Live processes of this deployment that are a (fake) SuperExec."""
-    return [pid for pid, cmd in dep.leftover_processes() if "sleep 120" in cmd]
+    """Live processes of this deployment that are a (fake) SuperExec: the script itself, or the ``sleep`` it has
+    exec'd (a SuperExec started a moment ago may not have reached its ``exec`` yet)."""
+    return [pid for pid, cmd in dep.leftover_processes() if "sleep 120" in cmd or "flower-superexec" in cmd]
 
 
 def test_start_node_stops_the_previous_superexec(tmp_path):
