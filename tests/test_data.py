@@ -276,8 +276,12 @@ def _check_mnist_like(ds: Dataset, arrays: dict[str, np.ndarray], name: str) -> 
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_fashion_mnist_from_data_dir_flat(tmp_path, no_debian, gz):
-    arrays = make_mnist_like(tmp_path, gz=gz)
-    _check_mnist_like(load_dataset("fashion_mnist", data_dir=str(tmp_path)), arrays, "fashion_mnist")
+    """Flat files are read from a data_dir named after the dataset (Debian's folder name here), and from the
+    per-dataset folder data_dir/fashion_mnist; never from a data_dir of another name (tests/test_data_review.py)."""
+    arrays = make_mnist_like(tmp_path / "fashion-mnist", gz=gz)
+    _check_mnist_like(load_dataset("fashion_mnist", data_dir=str(tmp_path / "fashion-mnist")), arrays, "fashion_mnist")
+    arrays = make_mnist_like(tmp_path / "root" / "fashion_mnist", gz=gz, seed=2)
+    _check_mnist_like(load_dataset("fashion_mnist", data_dir=str(tmp_path / "root")), arrays, "fashion_mnist")
 
 
 def test_fashion_mnist_from_torchvision_layout_with_mixed_compression(tmp_path, no_debian):
@@ -308,8 +312,9 @@ def test_fashion_mnist_missing_files_error_names_paths_and_remedies(tmp_path, no
 
 
 def test_mismatched_image_and_label_counts_are_rejected(tmp_path, no_debian):
-    arrays = make_mnist_like(tmp_path, gz=False)
-    write_idx(tmp_path / "train-labels-idx1-ubyte", arrays["train-labels-idx1-ubyte"][:-1], gz=False)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    arrays = make_mnist_like(raw, gz=False)
+    write_idx(raw / "train-labels-idx1-ubyte", arrays["train-labels-idx1-ubyte"][:-1], gz=False)
     with pytest.raises(ValueError, match="labels"):
         load_dataset("fashion_mnist", data_dir=tmp_path)
 

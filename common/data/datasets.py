@@ -10,12 +10,13 @@ Names and where the data come from:
                   features standardised with the *training* mean and standard deviation.
 ``digits``        scikit-learn's embedded 8x8 digits (1,797 x 64, 10 classes); stratified split by
                   ``seed``, pixels / 16.
-``fashion_mnist`` IDX files (``.gz`` or not) in ``data_dir``, ``data_dir/FashionMNIST/raw``, then
-                  Debian's ``/usr/share/datasets/fashion-mnist`` (``apt-get install -y
-                  dataset-fashion-mnist``), then a torchvision download if ``download=True``.
-``mnist``         IDX files in ``data_dir`` or ``data_dir/MNIST/raw`` (torchvision's layout), else a
+``fashion_mnist`` IDX files (``.gz`` or not) in ``data_dir/FashionMNIST/raw`` (torchvision's layout),
+                  ``data_dir/fashion_mnist``, then Debian's ``/usr/share/datasets/fashion-mnist``
+                  (``apt-get install -y dataset-fashion-mnist``), then a torchvision download if
+                  ``download=True``.
+``mnist``         IDX files in ``data_dir/MNIST/raw`` (torchvision's layout) or ``data_dir/mnist``, else a
                   torchvision download if ``download=True``.
-``kmnist``        as ``mnist``, under ``data_dir/KMNIST/raw``.
+``kmnist``        as ``mnist``, under ``data_dir/KMNIST/raw`` or ``data_dir/kmnist``.
 ``cifar10``       the python pickles ``data_batch_1..5`` and ``test_batch`` in
                   ``data_dir/cifar-10-batches-py`` (torchvision's layout) or ``data_dir``, else a
                   torchvision download if ``download=True``.  Flattened in the pickle's channel-major
@@ -36,6 +37,17 @@ All image sets are scaled to [0, 1] (pixels / 255) and flattened.  The IDX reade
 our own, so reading never needs torchvision; torchvision is imported lazily and only to download.  When
 ``data_dir`` is ``None`` the root is ``$PGVI_DATA_DIR`` if set, else ``~/.cache/pgvi/data``.
 
+The three MNIST-family sets use the same four file names (``train-images-idx3-ubyte`` ...), so each is
+looked for only in folders that name it, never in ``data_dir`` itself: files copied flat into a shared root
+would otherwise be read as MNIST, KMNIST and Fashion-MNIST alike.  The one exception: flat files in
+``data_dir`` are read when the directory's own name identifies the dataset (compared lower-case without ``-``
+and ``_``: ``mnist``; ``kmnist``; ``fashion_mnist``, ``fashion-mnist`` or ``FashionMNIST``), e.g.
+``data_dir=/usr/share/datasets/fashion-mnist`` for ``fashion_mnist``.
+
+A data file that cannot be read (truncated copy, wrong format, bad gzip/zip/pickle stream, malformed IDX header)
+raises ``ValueError`` naming the file; a failed download (``download=True`` without network) raises
+``FileNotFoundError`` with the usual not-found message and the reason.
+
 Datasets with a canonical split (the image sets) ignore ``seed`` and ``test_fraction``.
 """
 
@@ -43,8 +55,11 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import math
 import os
 import pickle
+import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +188,17 @@ def _open_maybe_gz(path: Path):
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+def _corrupt(path: Path, fmt: str, why: object) -> ValueError:
+    """The error for a data file that exists but cannot be read as ``fmt``."""
+    why = " ".join(str(why).split()) or type(why).__name__
+    return ValueError(f"{path}: corrupt or truncated {fmt} file ({why}); delete it and copy it again")
+
+
+# What a damaged gzip / zip / pickle / npy stream raises while it is read (``zlib.error`` is not an OSError).
+# Errors of opening the file (missing, permissions) are not among them: the file is opened outside the ``try``.
+_STREAM_ERRORS = (OSError, EOFError, zlib.error, zipfile.BadZipFile)
+
+
 def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     """Read one IDX file (the MNIST family's format), gzip-compressed if its name ends in ``.gz``.
 
@@ -181,25 +207,31 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     C order, big-endian.  Returns an array of that shape in native byte order.
 
     Raises:
-        ValueError: bad magic number, unknown type code, or a data section of the wrong length.
+        ValueError: the file cannot be read (a truncated or damaged gzip stream, or not gzip at all), a bad
+            magic number, an unknown type code, a short header, or a data section of the wrong length; the
+            message names the file.
+        OSError: the file cannot be opened (e.g. ``FileNotFoundError``, ``PermissionError``).
     """
     path = Path(path)
     with _open_maybe_gz(path) as f:
-        raw = f.read()
+        try:
+            raw = f.read()
+        except _STREAM_ERRORS as e:
+            raise _corrupt(path, "IDX", f"{type(e).__name__}: {e}") from e
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (the first two bytes must be zero)")
+        raise _corrupt(path, "IDX", f"not an IDX file: the first two bytes must be zero, file has {len(raw)} bytes")
     code, nd = raw[2], raw[3]
     if code not in _IDX_DTYPES:
-        raise ValueError(f"{path}: unknown IDX type code 0x{code:02x}")
+        raise _corrupt(path, "IDX", f"unknown IDX type code 0x{code:02x}")
     header = 4 + 4 * nd
     if len(raw) < header:
-        raise ValueError(f"{path}: truncated IDX header ({nd} dimensions declared)")
+        raise _corrupt(path, "IDX", f"truncated IDX header: {nd} dimensions declared, file has {len(raw)} bytes")
     dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(nd))
     dtype = np.dtype(_IDX_DTYPES[code])
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(dims) * dtype.itemsize  # Python ints: no overflow for absurd headers
     if len(raw) - header != expected:
-        raise ValueError(
-            f"{path}: IDX data section has {len(raw) - header} bytes, expected {expected} for shape {dims}"
+        raise _corrupt(
+            path, "IDX", f"IDX data section has {len(raw) - header} bytes, expected {expected} for shape {dims}"
         )
     arr = np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=True)
@@ -211,14 +243,35 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     These files are pickles, so only read files you trust (the official CIFAR-10 archive).
     """
     with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="latin1")
+        try:
+            entry = pickle.load(f, encoding="latin1")
+        except (*_STREAM_ERRORS, pickle.UnpicklingError, ValueError, TypeError, AttributeError, ImportError,
+                IndexError, KeyError, OverflowError, MemoryError) as e:  # what a damaged pickle stream can raise
+            raise _corrupt(path, "CIFAR-10 pickle", f"{type(e).__name__}: {e}") from e
     if not isinstance(entry, dict) or "data" not in entry or "labels" not in entry:
-        raise ValueError(f"{path}: not a CIFAR-10 python batch (expected a dict with 'data' and 'labels')")
-    data = np.asarray(entry["data"], dtype=np.uint8)
-    labels = np.asarray(entry["labels"], dtype=np.int64)
-    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.shape[0] != labels.shape[0]:
-        raise ValueError(f"{path}: data {data.shape} / labels {labels.shape} are not (N, 3072) / (N,)")
+        raise _corrupt(path, "CIFAR-10 pickle", "not a CIFAR-10 python batch: expected a dict with 'data' and "
+                       "'labels'")
+    try:
+        data = np.asarray(entry["data"], dtype=np.uint8)
+        labels = np.asarray(entry["labels"], dtype=np.int64)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _corrupt(path, "CIFAR-10 pickle", f"{type(e).__name__}: {e}") from e
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.ndim != 1 or data.shape[0] != labels.shape[0]:
+        raise _corrupt(path, "CIFAR-10 pickle", f"data {data.shape} / labels {labels.shape} are not (N, 3072) / (N,)")
     return data, labels
+
+
+def _read_npz_array(path: Path, fmt: str) -> np.ndarray:
+    """The array ``arr_0`` of an ``.npz`` file (how the Kuzushiji-49 files store theirs); pickles refused."""
+    with open(path, "rb") as f:  # opening errors (missing, permissions) propagate as they are
+        try:
+            loaded = np.load(f, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise ValueError(f"not an .npz archive (np.load gave a {type(loaded).__name__})")
+            with loaded as npz:
+                return np.asarray(npz["arr_0"])
+        except (*_STREAM_ERRORS, ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+            raise _corrupt(path, fmt, f"{type(e).__name__}: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,13 +352,26 @@ def _idx_dataset(files: dict[str, Path], name: str, num_classes: int) -> Dataset
 
 
 def _missing(
-    name: str, searched: Sequence[Path | str], expected: Sequence[str], how: Sequence[str]
+    name: str,
+    searched: Sequence[Path | str],
+    expected: Sequence[str],
+    how: Sequence[str],
+    download_error: BaseException | None = None,
 ) -> FileNotFoundError:
     lines = [f"{name}: data files not found."]
     lines.append("Searched: " + ", ".join(str(p) for p in searched) + ".")
     lines.append("Expected files: " + ", ".join(expected) + ".")
     lines.append("To get the data: " + "; or ".join(how) + ".")
+    if download_error is not None:
+        reason = " ".join(str(download_error).split()) or "no details"
+        lines.append(f"(download failed: {type(download_error).__name__}: {reason})")
     return FileNotFoundError(" ".join(lines))
+
+
+# What a failed torchvision download raises: its MNIST-family classes wrap every mirror's error in a
+# RuntimeError; CIFAR10 lets urllib's URLError (an OSError) or an integrity-check RuntimeError through; a root
+# that cannot be created is an OSError; an install without torchvision is our ImportError below.
+_DOWNLOAD_ERRORS = (RuntimeError, OSError, ImportError)
 
 
 def _torchvision_download(class_name: str, root: Path) -> None:
@@ -424,29 +490,47 @@ def _load_digits(
     )
 
 
+def _dataset_key(text: str) -> str:
+    """``fashion_mnist``, ``fashion-mnist``, ``FashionMNIST`` -> ``fashionmnist``: how a folder names a dataset."""
+    return text.lower().replace("-", "").replace("_", "")
+
+
 def _mnist_family(name: str, tv_class: str, data_dir, download: bool, extra_dirs: Sequence[Path] = (),
                   extra_how: Sequence[str] = ()) -> Dataset:
+    """MNIST, KMNIST or Fashion-MNIST from the first of these folders holding the four IDX files:
+
+    1. ``root/<tv_class>/raw`` (torchvision's layout, where ``download=True`` puts them);
+    2. ``root/<name>`` (e.g. ``root/fashion_mnist``);
+    3. ``root`` itself, only if its own name identifies this dataset (``_dataset_key(root.name)`` equals that
+       of ``name``), e.g. ``data_dir=/usr/share/datasets/fashion-mnist`` or ``data_dir=~/data/mnist``;
+    4. ``extra_dirs`` (Fashion-MNIST: Debian's ``/usr/share/datasets/fashion-mnist``).
+
+    The three datasets share the file names, so a root of any other name is never read flat: files copied
+    there would be taken for all three.  Then a torchvision download into ``root`` if ``download``.
+    """
     root = _root(data_dir)
-    local = [root, root / tv_class / "raw"]
+    local = [root / tv_class / "raw", root / name]
+    if _dataset_key(root.name) == _dataset_key(name):
+        local.append(root)
     searched = [*local, *extra_dirs]
+    expected = [f"{stem}[.gz]" for stem in _MNIST_FILES.values()]
+    how = [*extra_how, f"load_dataset({name!r}, download=True) (needs torchvision and network) into {root}",
+           f"copy the IDX files into {root / name} or {root / tv_class / 'raw'}"]
     for directory in searched:
         files = _find_idx_files(directory)
         if files is not None:
             return _idx_dataset(files, name, 10)
     if download:
-        _torchvision_download(tv_class, root)
+        try:
+            _torchvision_download(tv_class, root)
+        except _DOWNLOAD_ERRORS as e:
+            raise _missing(name, searched, expected, how, download_error=e) from e
         files = _find_idx_files(root / tv_class / "raw")
         if files is None:  # pragma: no cover - torchvision changed its layout
             raise FileNotFoundError(f"{name}: torchvision reported a download but {root / tv_class / 'raw'} "
                                     "does not hold the four IDX files")
         return _idx_dataset(files, name, 10)
-    raise _missing(
-        name,
-        searched,
-        [f"{stem}[.gz]" for stem in _MNIST_FILES.values()],
-        [*extra_how, f"load_dataset({name!r}, download=True) (needs torchvision and network) into {root}",
-         f"copy the IDX files into {root} or {root / tv_class / 'raw'}"],
-    )
+    raise _missing(name, searched, expected, how)
 
 
 @DATASETS.register("fashion_mnist")
@@ -510,18 +594,17 @@ def _load_cifar10(
     for directory in searched:
         if _find_cifar(directory):
             return _cifar_dataset(directory)
+    how = [f"load_dataset('cifar10', download=True) (needs torchvision and network) into {root}",
+           f"unpack cifar-10-python.tar.gz into {root}"]
     if download:
-        _torchvision_download("CIFAR10", root)
+        try:
+            _torchvision_download("CIFAR10", root)
+        except _DOWNLOAD_ERRORS as e:
+            raise _missing("cifar10", searched, _CIFAR_TRAIN + _CIFAR_TEST, how, download_error=e) from e
         if not _find_cifar(root / "cifar-10-batches-py"):  # pragma: no cover - torchvision changed its layout
             raise FileNotFoundError(f"cifar10: torchvision reported a download but {searched[0]} is incomplete")
         return _cifar_dataset(root / "cifar-10-batches-py")
-    raise _missing(
-        "cifar10",
-        searched,
-        _CIFAR_TRAIN + _CIFAR_TEST,
-        [f"load_dataset('cifar10', download=True) (needs torchvision and network) into {root}",
-         f"unpack cifar-10-python.tar.gz into {root}"],
-    )
+    raise _missing("cifar10", searched, _CIFAR_TRAIN + _CIFAR_TEST, how)
 
 
 _K49_FILES = {
@@ -544,10 +627,8 @@ def _load_kuzushiji49(
     ]
     for directory in searched:
         if all((directory / f).is_file() for f in _K49_FILES.values()):
-            arrays = {}
-            for key, fname in _K49_FILES.items():
-                with np.load(directory / fname, allow_pickle=False) as npz:
-                    arrays[key] = npz["arr_0"]
+            arrays = {key: _read_npz_array(directory / fname, "Kuzushiji-49 .npz")
+                      for key, fname in _K49_FILES.items()}
             for split in ("train", "test"):
                 x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
                 if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
@@ -598,8 +679,9 @@ def load_dataset(
 
     Raises:
         KeyError: unknown name (the message lists the known ones).
-        FileNotFoundError: files missing and ``download=False``; the message lists the paths searched and
-            how to get the data.
+        FileNotFoundError: files missing and ``download=False``, or the download failed (the message then ends
+            with ``(download failed: ...)``); the message lists the paths searched and how to get the data.
+        ValueError: a data file is corrupt or truncated (the message names it), or holds malformed arrays.
     """
     loader = DATASETS.get(name)
     return loader(data_dir=data_dir, download=bool(download), seed=int(seed), test_fraction=test_fraction)
