@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from common.divergences import KL, WeightedKL
-from common.errors import ImproperDistributionError, PGVIError
+from common.errors import ImproperDistributionError, PGVIError, ShapeMismatchError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.quadratic import QuadraticLoss
 
@@ -73,7 +73,8 @@ def conjugate_local_posterior(
     """The exact minimiser of ``E_q[sum_i L_i] + D(q || cavity)`` over the cavity's family (see module doc).
 
     The score-matching weights are centred at the cavity mean (the loss's reference).  Raises
-    :class:`ConjugacyError` for an unsupported combination and
+    :class:`ConjugacyError` for an unsupported combination,
+    :class:`~common.errors.ShapeMismatchError` if the cavity's ``theta`` is not the model's vector ``theta``, and
     :class:`~common.errors.ImproperDistributionError` if the cavity (or, impossibly for these positive
     semi-definite losses, the result) is improper.
     """
@@ -92,6 +93,13 @@ def conjugate_local_posterior(
         reference = {"theta": cavity.mean()}
     else:
         raise ConjugacyError(f"unsupported family {type(cavity).__name__}")
+    cavity_shape = tuple(reference["theta"].shape)
+    model_shape = getattr(model, "param_shapes", {}).get("theta")
+    if len(cavity_shape) != 1 or (model_shape is not None and cavity_shape != tuple(model_shape)):
+        raise ShapeMismatchError(
+            f"cavity over 'theta' of shape {cavity_shape}; model '{model.name}' has 'theta' of shape "
+            f"{None if model_shape is None else tuple(model_shape)}"
+        )
     quad = loss.quadratic(model, x, y, reference)
     if quad is None:
         raise ConjugacyError(f"loss '{loss.name}' has no quadratic form for model '{model.name}'")
@@ -104,8 +112,16 @@ def conjugate_local_posterior(
 
 
 def _mean_field_projection(cavity: MeanFieldGaussian, quad: QuadraticLoss, w: float) -> MeanFieldGaussian:
-    """Mean-field optimum for the Gaussian target ``cavity * exp(-w L)`` (mean-field cavity)."""
+    """Mean-field optimum for the Gaussian target ``cavity * exp(-w L)`` (mean-field cavity); the cavity's
+    ``theta`` must be a vector of the loss's dimension ``d`` (``P`` is ``(d, d)``, ``h`` is ``(d,)``), else
+    :class:`~common.errors.ShapeMismatchError` (torch would broadcast a 1-vector)."""
     lam_cav = -2.0 * cavity.eta2["theta"]
+    d = lam_cav.shape[0] if lam_cav.dim() == 1 else -1
+    if d < 0 or tuple(quad.precision.shape) != (d, d) or tuple(quad.shift.shape) != (d,):
+        raise ShapeMismatchError(
+            f"mean-field cavity over 'theta' of shape {tuple(lam_cav.shape)}; the loss's quadratic has precision "
+            f"{tuple(quad.precision.shape)} and shift {tuple(quad.shift.shape)}"
+        )
     lam = torch.diag(lam_cav) + w * quad.precision
     lam = 0.5 * (lam + lam.T)
     h = cavity.eta1["theta"] + w * quad.shift

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from common.errors import PGVIError
+from common.errors import PGVIError, ShapeMismatchError
 from common.families import GaussianFactor
 
 
@@ -96,19 +96,26 @@ class PGVIServerState:
     def apply(self, deltas: Mapping[str, GaussianFactor]) -> GaussianFactor:
         """Apply a batch of Deltas atomically (eq. 6 then eq. 7).
 
-        All Deltas are checked first (finiteness, layout), then the resulting posterior must be proper.  If
+        All Deltas are checked first (finiteness, layout, dtype), then the resulting posterior must be proper.  If
         any check fails nothing changes and :class:`UpdateRejected` names the offending client (all clients
         of the batch, comma-separated, when only their joint effect makes the posterior improper).
 
         Cavities are not checked here: a site may legitimately have negative precision, and whether a
         client's next cavity is proper is checked by that client (``common.factors.cavity`` raises), which
         then reports a failed step and keeps its site.
+
+        A Delta must have the prior's dtype (as one decoded by ``strategies.codec.record_to_factor`` always has):
+        one of another dtype is rejected instead of silently promoting the ledger and posterior to it.
         """
         assert self.global_site is not None and self.posterior is not None
         new_sites = {}
         global_site = self.global_site
         for cid, delta in deltas.items():
             try:
+                if delta.dtype != self.prior.dtype:
+                    raise ShapeMismatchError(
+                        f"Delta from '{cid}' has dtype {delta.dtype}, the server state {self.prior.dtype}"
+                    )
                 delta.check_finite(f"Delta from '{cid}'")
                 new_sites[cid] = self.sites.get(cid, self.prior.zeros_like()) * delta
                 global_site = global_site * delta

@@ -18,7 +18,15 @@ Two families:
   dimension ``d``; ``d = 1`` is the univariate case.  Transport keys ``"eta1"`` and ``"eta2"``.
 
 The log-normaliser ``A(eta)`` includes the ``d/2 log(2 pi)`` of the base measure, so that
-``log_prob(theta) = <eta, T(theta)> - A(eta)`` and ``entropy = A(eta) - <eta, E[T]>``.
+``log_prob(theta) = <eta, T(theta)> - A(eta)`` and ``entropy = A(eta) - <eta, E[T]>``.  Both families evaluate
+``log_prob`` and ``entropy`` in centred moment form instead (``-1/2 (theta - mu)^T Lambda (theta - mu) + 1/2
+log|Lambda| - d/2 log(2 pi)`` and ``d/2 (1 + log(2 pi)) - 1/2 log|Lambda|``): the two terms of the identities
+are ``O(mu^T Lambda mu)`` and cancel catastrophically in float32 (an entropy that drifted with the mean).
+
+Proper means: finite natural parameters, a positive-definite precision, and a finite covariance in the
+factor's dtype (a subnormal precision is positive but its variance overflows).  The mean is not part of the
+test: a proper factor's mean may still overflow (``eta1 = 1e30`` with precision ``1e-10`` in float32), which
+the consumers that need it finite refuse with :class:`~common.errors.NonFiniteError`.
 """
 
 from __future__ import annotations
@@ -191,6 +199,7 @@ class GaussianFactor(ABC):
         return sum((v * stats[k]).sum() for k, v in self.params.items())  # type: ignore[return-value]
 
     def entropy(self) -> Tensor:
+        """Generic ``A(eta) - <eta, E[T]>`` (cancels in float32); both families override it with a centred form."""
         self.check_proper("distribution in entropy()")
         return self.log_normalizer() - self.inner(self.mean_parameters())
 
@@ -210,9 +219,17 @@ class MeanFieldGaussian(GaussianFactor):
     def __init__(self, eta1: Mapping[str, Tensor], eta2: Mapping[str, Tensor]) -> None:
         if list(eta1) != list(eta2):
             raise ShapeMismatchError("eta1 and eta2 must name the same tensors in the same order")
+        dtype = None
         for n in eta1:
             if eta1[n].shape != eta2[n].shape:
                 raise ShapeMismatchError(f"'{n}': eta1 {tuple(eta1[n].shape)} vs eta2 {tuple(eta2[n].shape)}")
+            if eta1[n].dtype != eta2[n].dtype:
+                raise ShapeMismatchError(f"'{n}': eta1 has dtype {eta1[n].dtype}, eta2 {eta2[n].dtype}")
+            if dtype is None:
+                dtype = eta1[n].dtype
+            elif eta1[n].dtype != dtype:
+                raise ShapeMismatchError(f"'{n}' has dtype {eta1[n].dtype}, the tensors before it {dtype}: "
+                                         "all natural parameters must share one dtype")
         self.names: list[str] = list(eta1)
         params = {f"eta1/{n}": eta1[n] for n in self.names}
         params.update({f"eta2/{n}": eta2[n] for n in self.names})
@@ -264,29 +281,59 @@ class MeanFieldGaussian(GaussianFactor):
         return {n: -2.0 * e2 for n, e2 in self.eta2.items()}
 
     def mean(self) -> dict[str, Tensor]:
-        return {n: self.params[f"eta1/{n}"] / (-2.0 * self.params[f"eta2/{n}"]) for n in self.names}
+        """Means ``eta1 / (-2 eta2)``; :class:`ImproperDistributionError` if the factor is improper."""
+        self.check_proper("distribution in mean()")
+        return self._mean_unchecked()
 
     def variance(self) -> dict[str, Tensor]:
+        """Variances ``-1 / (2 eta2)``; :class:`ImproperDistributionError` if the factor is improper."""
+        self.check_proper("distribution in variance()")
+        return self._variance_unchecked()
+
+    def _mean_unchecked(self) -> dict[str, Tensor]:
+        return {n: self.params[f"eta1/{n}"] / (-2.0 * self.params[f"eta2/{n}"]) for n in self.names}
+
+    def _variance_unchecked(self) -> dict[str, Tensor]:
         return {n: -0.5 / self.params[f"eta2/{n}"] for n in self.names}
 
     def improper_detail(self) -> str | None:
+        """``None`` if every coordinate has finite natural parameters, a precision ``-2 eta2 > 0`` and a finite
+        variance in the factor's dtype (a subnormal precision is positive but its variance overflows); see the
+        module docstring for the mean.
+
+        One reduction per tensor beyond the finiteness sums: ``max eta2``, which decides both tests (every
+        precision is positive iff ``max eta2 < 0``, and the largest variance is ``-1 / (2 max eta2)``, since
+        ``-1 / (2 eta2)`` increases with ``eta2 < 0``)."""
         problems = []
         for n in self.names:
             e1, e2 = self.params[f"eta1/{n}"].detach(), self.params[f"eta2/{n}"].detach()
             if not (all_finite(e1) and all_finite(e2) and all_finite(-2.0 * e2)):
                 problems.append(f"'{n}' has non-finite natural parameters or precision")
                 continue
-            bad = e2 >= 0
-            if bad.any():
+            if e2.numel() == 0:
+                continue
+            top = e2.max()
+            if bool(top >= 0):
+                bad = e2 >= 0
                 problems.append(
                     f"'{n}': {int(bad.sum())} of {e2.numel()} precisions <= 0 "
                     f"(smallest {float((-2.0 * e2).min()):.4g})"
+                )
+                continue
+            largest_variance = float(-0.5 / top)  # evaluated in the factor's dtype, as variance() does
+            if not math.isfinite(largest_variance):
+                problems.append(
+                    f"'{n}': variance overflows {e2.dtype} (smallest precision {float(-2.0 * top):.4g})"
                 )
         return "; ".join(problems) if problems else None
 
     # exponential family ---------------------------------------------------------------------------
     def log_normalizer_elementwise(self) -> dict[str, Tensor]:
-        """``A`` of each univariate coordinate (sums to :meth:`log_normalizer`)."""
+        """``A`` of each univariate coordinate (sums to :meth:`log_normalizer`); proper factors only."""
+        self.check_proper("distribution in log_normalizer_elementwise()")
+        return self._log_normalizer_elementwise_unchecked()
+
+    def _log_normalizer_elementwise_unchecked(self) -> dict[str, Tensor]:
         out = {}
         for n in self.names:
             e1, e2 = self.params[f"eta1/{n}"], self.params[f"eta2/{n}"]
@@ -294,31 +341,64 @@ class MeanFieldGaussian(GaussianFactor):
         return out
 
     def log_normalizer(self) -> Tensor:
-        return sum(a.sum() for a in self.log_normalizer_elementwise().values())  # type: ignore[return-value]
+        self.check_proper("distribution in log_normalizer()")
+        parts = self._log_normalizer_elementwise_unchecked().values()
+        return sum(a.sum() for a in parts)  # type: ignore[return-value]
 
     def mean_parameters(self) -> dict[str, Tensor]:
-        m, v = self.mean(), self.variance()
+        self.check_proper("distribution in mean_parameters()")
+        m, v = self._mean_unchecked(), self._variance_unchecked()
         out = {f"eta1/{n}": m[n] for n in self.names}
         out.update({f"eta2/{n}": m[n] * m[n] + v[n] for n in self.names})
         return out
 
     def rsample(self, n: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         self.check_proper("distribution in rsample()")
-        m, v = self.mean(), self.variance()
+        m, v = self._mean_unchecked(), self._variance_unchecked()
         out = {}
         for k in self.names:
             eps = torch.randn((n, *m[k].shape), dtype=m[k].dtype, generator=generator)
             out[k] = m[k] + v[k].sqrt() * eps
         return out
 
+    def entropy(self) -> Tensor:
+        """``sum_i 1/2 (1 + log(2 pi)) - 1/2 log(lambda_i)`` (independent of the means, as it must be)."""
+        self.check_proper("distribution in entropy()")
+        total = sum(torch.log(-2.0 * self.params[f"eta2/{n}"]).sum() for n in self.names)
+        numel = sum(self.params[f"eta2/{n}"].numel() for n in self.names)
+        return 0.5 * numel * (1.0 + _LOG_2PI) - 0.5 * total  # type: ignore[return-value]
+
     def log_prob(self, theta: Mapping[str, Tensor]) -> Tensor:
+        """``sum_i -1/2 lambda_i (x_i - mu_i)^2 + 1/2 log(lambda_i) - 1/2 log(2 pi)`` per sample.
+
+        ``theta[name]`` must have shape ``(n, *shape)`` (the same ``n`` for every name; a 0-d tensor's samples
+        are ``(n,)``) and the factor's dtype; otherwise :class:`ShapeMismatchError` (no broadcasting)."""
         self.check_proper("distribution in log_prob()")
-        total = -self.log_normalizer()
+        n_samples = None
         for k in self.names:
-            x = theta[k]
-            red = tuple(range(1, x.dim()))
-            total = total + (self.params[f"eta1/{k}"] * x + self.params[f"eta2/{k}"] * x * x).sum(dim=red)
-        return total
+            if k not in theta:
+                raise ShapeMismatchError(f"samples have no '{k}'; the distribution is over {self.names}")
+            x, shape = theta[k], tuple(self.params[f"eta1/{k}"].shape)
+            if x.dim() != len(shape) + 1 or tuple(x.shape[1:]) != shape:
+                raise ShapeMismatchError(
+                    f"'{k}' has samples of shape {tuple(x.shape)}; expected (n, *{shape}) for its shape {shape}"
+                )
+            if n_samples is None:
+                n_samples = int(x.shape[0])
+            elif int(x.shape[0]) != n_samples:
+                raise ShapeMismatchError(f"'{k}' has {int(x.shape[0])} samples, the names before it {n_samples}")
+            if x.dtype != self.params[f"eta1/{k}"].dtype:
+                raise ShapeMismatchError(f"'{k}' has samples of dtype {x.dtype}, the distribution {self.dtype}")
+        total: Tensor | float = 0.0
+        numel = 0
+        for k in self.names:
+            x, e1, e2 = theta[k], self.params[f"eta1/{k}"], self.params[f"eta2/{k}"]
+            lam = -2.0 * e2
+            r = x - e1 / lam
+            quad = (lam * r * r).reshape(x.shape[0], e1.numel()).sum(1)
+            total = total + (0.5 * torch.log(lam).sum() - 0.5 * quad)
+            numel += e1.numel()
+        return total - 0.5 * numel * _LOG_2PI  # type: ignore[return-value]
 
 
 # ==================================================================================================
@@ -332,6 +412,8 @@ class FullCovarianceGaussian(GaussianFactor):
     def __init__(self, eta1: Tensor, eta2: Tensor, name: str = "theta") -> None:
         if eta1.dim() != 1 or eta2.shape != (eta1.shape[0], eta1.shape[0]):
             raise ShapeMismatchError(f"eta1 must be (d,) and eta2 (d, d); got {tuple(eta1.shape)}, {tuple(eta2.shape)}")
+        if eta1.dtype != eta2.dtype:
+            raise ShapeMismatchError(f"eta1 has dtype {eta1.dtype}, eta2 {eta2.dtype}: they must share one dtype")
         self.name = name
         super().__init__({"eta1": eta1, "eta2": eta2})
 
@@ -340,7 +422,16 @@ class FullCovarianceGaussian(GaussianFactor):
 
     @classmethod
     def from_mean_covariance(cls, mean: Tensor, covariance: Tensor, name: str = "theta") -> FullCovarianceGaussian:
-        precision = torch.linalg.inv(covariance)
+        """The factor with precision ``Sigma^{-1}`` (symmetrised) and ``eta1 = Sigma^{-1} mean``.
+
+        Like :meth:`MeanFieldGaussian.from_mean_variance` this does not validate the moments: an invertible but
+        indefinite (or non-finite) ``covariance`` gives an improper factor, refused by :meth:`check_proper`.  A
+        singular ``covariance`` has no precision at all and raises :class:`ImproperDistributionError`."""
+        precision, info = torch.linalg.inv_ex(covariance)
+        if int(info) != 0:
+            raise ImproperDistributionError(
+                "covariance in from_mean_covariance()", f"the covariance is singular (zero LU pivot {int(info)})"
+            )
         precision = 0.5 * (precision + precision.T)
         return cls(precision @ mean, -0.5 * precision, name=name)
 
@@ -367,14 +458,14 @@ class FullCovarianceGaussian(GaussianFactor):
     def precision(self) -> Tensor:
         return -2.0 * self.params["eta2"]
 
-    def _cholesky_precision(self) -> Tensor:
+    def _cholesky_precision(self, what: str = "distribution") -> Tensor:
         """Cholesky factor of the precision; raises if the factor is not a proper distribution (non-finite,
         asymmetric or not positive definite), so no moment is ever computed from an improper factor."""
-        self.check_proper("distribution")
+        self.check_proper(what)
         lam = self.precision()
         chol, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
         if int(info) != 0:
-            raise ImproperDistributionError("distribution", self.improper_detail() or "precision not PD")
+            raise ImproperDistributionError(what, self.improper_detail() or "precision not PD")
         return chol
 
     def covariance(self) -> Tensor:
@@ -401,6 +492,14 @@ class FullCovarianceGaussian(GaussianFactor):
         return None
 
     def improper_detail(self) -> str | None:
+        """``None`` if the factor is proper: finite natural parameters, a symmetric precision (see
+        :meth:`structure_detail`) whose Cholesky factorisation succeeds, and a finite covariance (the
+        ``cholesky_inverse`` of that factor; a subnormal precision factorises but its covariance overflows).
+
+        "Positive definite" means exactly that the Cholesky factorisation of the symmetrised precision
+        succeeds in the factor's dtype; no eigenvalue margin is applied, so a precision that is indefinite
+        within rounding of ``||Lambda||`` (smallest eigenvalue ``-O(eps ||Lambda||)``) may pass, and its
+        moments are then those of the nearby positive-definite matrix that rounding factorised."""
         e1, e2 = self.params["eta1"].detach(), self.params["eta2"].detach()
         lam = -2.0 * e2
         if not (torch.isfinite(e1).all() and torch.isfinite(lam).all()):
@@ -408,13 +507,16 @@ class FullCovarianceGaussian(GaussianFactor):
         detail = self.structure_detail()
         if detail is not None:
             return detail
-        _, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
+        chol, info = torch.linalg.cholesky_ex(0.5 * (lam + lam.T))
         if int(info) != 0:
             try:
                 smallest = f"{float(torch.linalg.eigvalsh(0.5 * (lam + lam.T)).min()):.4g}"
             except RuntimeError:  # eigvalsh can fail to converge on extreme inputs
                 smallest = "unknown"
             return f"precision is not positive definite (smallest eigenvalue {smallest})"
+        if not all_finite(torch.cholesky_inverse(chol)):
+            return (f"covariance overflows {e1.dtype} "
+                    f"(smallest Cholesky diagonal of the precision {float(torch.diagonal(chol).min()):.4g})")
         return None
 
     def log_normalizer(self) -> Tensor:
@@ -436,8 +538,23 @@ class FullCovarianceGaussian(GaussianFactor):
         x = torch.linalg.solve_triangular(chol.T, z.T, upper=True).T
         return {self.name: m + x}
 
+    def entropy(self) -> Tensor:
+        """``d/2 (1 + log(2 pi)) - sum_i log L_ii`` with ``Lambda = L L^T`` (independent of the mean)."""
+        chol = self._cholesky_precision("distribution in entropy()")
+        return 0.5 * self.dim * (1.0 + _LOG_2PI) - torch.log(torch.diagonal(chol)).sum()
+
     def log_prob(self, theta: Mapping[str, Tensor]) -> Tensor:
-        self.check_proper("distribution in log_prob()")
+        """``-1/2 ||L^T (x - mu)||^2 + sum_i log L_ii - d/2 log(2 pi)`` per sample, ``Lambda = L L^T``.
+
+        ``theta[name]`` must have shape ``(n, d)`` and the factor's dtype; otherwise :class:`ShapeMismatchError`."""
+        if self.name not in theta:
+            raise ShapeMismatchError(f"samples have no '{self.name}'; got {sorted(theta)}")
         x = theta[self.name]
-        quad = torch.einsum("ni,ij,nj->n", x, self.params["eta2"], x)
-        return x @ self.params["eta1"] + quad - self.log_normalizer()
+        if x.dim() != 2 or int(x.shape[1]) != self.dim:
+            raise ShapeMismatchError(f"'{self.name}' has samples of shape {tuple(x.shape)}; expected (n, {self.dim})")
+        if x.dtype != self.dtype:
+            raise ShapeMismatchError(f"'{self.name}' has samples of dtype {x.dtype}, the distribution {self.dtype}")
+        chol = self._cholesky_precision("distribution in log_prob()")
+        mu = torch.cholesky_solve(self.params["eta1"].unsqueeze(-1), chol).squeeze(-1)
+        z = (x - mu) @ chol  # row k is (L^T (x_k - mu))^T
+        return -0.5 * (z * z).sum(-1) + torch.log(torch.diagonal(chol)).sum() - 0.5 * self.dim * _LOG_2PI

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from common.errors import ImproperDistributionError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.fast_math import all_finite, softplus
 
@@ -55,6 +56,39 @@ def _raw_from_scale(scale: Tensor, min_scale: float, what: str) -> Tensor:
             f"{what}: scale {smallest:.3g} is not above the parameterisation floor min_scale={min_scale:.3g}"
         )
     return inverse_softplus(scale - min_scale)
+
+
+def _covariance_cholesky(init: FullCovarianceGaussian) -> Tensor:
+    """Lower-triangular ``C`` with positive diagonal and ``C C^T = Lambda^{-1}``, from a Cholesky factorisation of
+    the *precision*: no explicit covariance, whose re-factorisation failed with a raw ``LinAlgError`` for a
+    proper precision of condition number ~1e17 and lost digits well before (the init ->
+    :meth:`FullCovarianceVariational.distribution` round trip was off by ~1e-3 relative at condition 1e14 and
+    0.4 at 1e16; ~1e-15 this way).
+
+    With ``J`` the order-reversing permutation and ``J Lambda J = M M^T`` (``M`` lower), ``Lambda = U U^T`` with
+    ``U = J M J`` upper, so ``Sigma = U^{-T} U^{-1}`` and ``C = U^{-T} = J M^{-T} J`` is lower-triangular: the
+    (unique) Cholesky factor of ``Sigma``, equal to ``cholesky(Sigma)`` to rounding.  If the reversed-order
+    factorisation fails (a precision positive definite only to rounding), ``C = R^T`` from the QR factorisation
+    ``L^{-1} = Q R`` of the inverse of the precision's own Cholesky factor ``L`` (``Sigma = L^{-T} L^{-1} = R^T R``),
+    diagonal signs fixed.  Raises :class:`ImproperDistributionError` if the precision cannot be factorised at all
+    and ``ValueError`` if ``C`` overflows."""
+    lam = init.precision().detach()
+    lam = 0.5 * (lam + lam.T)
+    eye = torch.eye(init.dim, dtype=lam.dtype, device=lam.device)
+    m, info = torch.linalg.cholesky_ex(torch.flip(lam, dims=(0, 1)))
+    if int(info) == 0:
+        minv = torch.linalg.solve_triangular(m, eye, upper=False)  # M^{-1}
+        chol = torch.flip(minv.T, dims=(0, 1))
+    else:
+        low, info = torch.linalg.cholesky_ex(lam)
+        if int(info) != 0:
+            raise ImproperDistributionError("initial distribution",
+                                            "the Cholesky factorisation of the precision failed")
+        _, r = torch.linalg.qr(torch.linalg.solve_triangular(low, eye, upper=False))
+        chol = (r * torch.sign(torch.diagonal(r)).unsqueeze(-1)).T
+    if not all_finite(chol):
+        raise ValueError("initial distribution: the Cholesky factor of its covariance overflows")
+    return chol
 
 
 class VariationalGaussian(nn.Module):
@@ -195,8 +229,7 @@ class FullCovarianceVariational(VariationalGaussian):
         dtype = dtype or init.dtype
         d = init.dim
         self.d = d
-        cov = init.covariance().detach()
-        chol = torch.linalg.cholesky(0.5 * (cov + cov.T)).to(dtype)
+        chol = _covariance_cholesky(init).to(dtype)
         self.loc = nn.Parameter(init.mean().detach().to(dtype).clone())
         self.raw_diag = nn.Parameter(_raw_from_scale(torch.diagonal(chol).clone(), self.min_scale,
                                                      "initial Cholesky diagonal"))
