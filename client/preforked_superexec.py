@@ -26,8 +26,14 @@ with that ``sys.argv``, in a child forked from a multiprocessing *forkserver* th
   the SuperExec the same), stdout/stderr (the SuperExec's, or /dev/null if ``spec.suppress_output``).
   It gets ``--parent-pid <SuperExec pid>`` like any ClientApp, so it exits when the SuperExec dies.
 - Other task types (ServerApp, ...) go to the normal subprocess launch.  If the forkserver cannot start,
-  or a fork request raises, that task is launched as a subprocess with one WARNING (no task is lost);
-  after :data:`MAX_CONSECUTIVE_FAILURES` failed forks in a row every later task is a subprocess.
+  or a fork request fails before it reached the forkserver (connecting, passing it the pipe fds), that task
+  is launched as a subprocess with one WARNING (no task is lost).  A failure *after* that (the forkserver
+  died between its fork and its pid reply, a pipe broke) may leave a child that already has the task and
+  runs it: a subprocess with the same token would run it twice (and in Flower 1.39 the loser's exit marks
+  the task failed and revokes the token, losing the working child's reply), so that launch returns
+  Flower's ambiguous outcome, ``LaunchResult.unknown`` (Flower's task expiry handles a task nobody runs),
+  with one WARNING, and the next launch re-checks the forkserver (restarted if it died).  After
+  :data:`MAX_CONSECUTIVE_FAILURES` failed fork requests in a row every later task is a subprocess.
 - ``reconcile()`` (called by Flower's loop before every poll) drops the records of finished children (the
   forkserver reaps them, so there are no zombies); ``close()`` never waits for running children.
 
@@ -285,6 +291,47 @@ def _untrack(proc: multiprocessing.process.BaseProcess) -> None:
         children.discard(proc)
 
 
+# ============================================================================================ the fork request
+
+
+class ForkRequestSent(Exception):
+    """A fork request failed after it reached the forkserver (``__cause__``: the error): the forkserver may have
+    forked a child that has its job and runs it, so the task must not be started a second time."""
+
+
+try:  # Linux/macOS: the forkserver start method
+    from multiprocessing import popen_forkserver as _popen_forkserver
+    from multiprocessing.context import ForkServerProcess as _ForkServerProcess
+except ImportError:  # pragma: no cover - no forkserver here: start_forkserver() fails, every task is a subprocess
+    _popen_forkserver = None  # type: ignore[assignment]
+    _ForkServerProcess = object  # type: ignore[assignment,misc]
+
+
+if _popen_forkserver is not None:
+
+    class _PhasedPopen(_popen_forkserver.Popen):  # type: ignore[misc,name-defined]
+        """``popen_forkserver.Popen`` that tells a failure before the fork request reached the forkserver
+        (pickling the job, connecting, passing the fds: re-raised as is) from one after it (writing the job to
+        the child's pipe, reading its pid back: raised as :class:`ForkRequestSent`).  ``_launch`` sets
+        ``self.sentinel`` from ``forkserver.connect_to_new_process`` exactly when the request was sent."""
+
+        def _launch(self, process_obj: Any) -> None:
+            try:
+                super()._launch(process_obj)
+            except Exception as err:
+                if getattr(self, "sentinel", None) is not None:
+                    raise ForkRequestSent(f"{type(err).__name__}: {err}") from err
+                raise
+
+
+class _PhasedForkServerProcess(_ForkServerProcess):  # type: ignore[misc,valid-type]
+    """The forkserver context's ``Process``, started by :class:`_PhasedPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _PhasedPopen(process_obj)
+
+
 # ============================================================================================ the executor
 
 
@@ -311,8 +358,10 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
         self.preload = list(preload)
         self.children: list[multiprocessing.process.BaseProcess] = []
         self.forked = 0  # ClientApps started by a fork
-        self.fallbacks = 0  # ClientApps started as a subprocess after a failed fork
+        self.fallbacks = 0  # ClientApps started as a subprocess after a fork request failed before it was sent
+        self.unknown = 0  # launches that failed after the fork request was sent (LaunchResult.unknown)
         self._ctx: Any = None
+        self._started = False  # this executor started (or used) the forkserver: close() stops it
         self._failures = 0
         self._disabled: str | None = None
         self._owns_tracker = False
@@ -334,13 +383,14 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(self.preload)
             forkserver.ensure_running()
-            self._owns_tracker = tracker_before is None and _resource_tracker_pid() is not None
+            self._owns_tracker = self._owns_tracker or (tracker_before is None and _resource_tracker_pid() is not None)
         except Exception as err:  # noqa: BLE001 - any failure: Flower's subprocess launch instead
             self._disabled = f"{type(err).__name__}: {err}"
             log.warning("pgvi-superexec: the ClientApp forkserver could not start (%s); every ClientApp "
                         "is started as a subprocess (flwr-clientapp)", self._disabled)
             return False
         self._ctx = ctx
+        self._started = True
         pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
         log.info("pgvi-superexec: ClientApps are forked from a forkserver (pid %s) that preloads %s",
                  pid, ", ".join(self.preload))
@@ -357,21 +407,31 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
             return super().launch(spec)
         argv = clientapp_argv(spec)
         try:
-            proc = self._ctx.Process(
+            proc = _PhasedForkServerProcess(
                 target=_child_main,
                 args=(self.entry, argv, bool(spec.suppress_output), self.initial_retry, self.cache_fab),
                 name=f"flwr-clientapp-task-{spec.task_id}",
                 daemon=False,  # a daemonic process could not start processes of its own
             )
             proc.start()
-        except Exception as err:  # noqa: BLE001 - never lose a task: start it the normal way
-            self._failures += 1
-            self.fallbacks += 1
-            if self._failures >= MAX_CONSECUTIVE_FAILURES:
-                self._disabled = f"{self._failures} failed forks in a row, the last {type(err).__name__}: {err}"
+        except ForkRequestSent as err:  # a child may run the task: never start it a second time
+            self._failed_fork(err)
+            self.unknown += 1
+            self._ctx = None  # the next launch re-checks the forkserver (ensure_running restarts a dead one)
+            message = (f"the fork request for task_id {spec.task_id} reached the ClientApp forkserver but then "
+                       f"failed ({err}): a forked ClientApp may be running it")
             log.warning(
-                "pgvi-superexec: forking the ClientApp for task_id %d failed (%s: %s); starting it as a "
-                "subprocess%s", spec.task_id, type(err).__name__, err,
+                "pgvi-superexec: %s; not started as a subprocess (it would run twice with the same token); "
+                "launch outcome unknown%s", message,
+                "; forking is now off for this SuperExec" if self._disabled else "",
+            )  # fmt: skip
+            return LaunchResult.unknown(message)
+        except Exception as err:  # noqa: BLE001 - before the fork request was sent: start it the normal way
+            self._failed_fork(err)
+            self.fallbacks += 1
+            log.warning(
+                "pgvi-superexec: forking the ClientApp for task_id %d failed (%s: %s) before the forkserver got "
+                "the request; starting it as a subprocess%s", spec.task_id, type(err).__name__, err,
                 "; forking is now off for this SuperExec" if self._disabled else "",
             )  # fmt: skip
             return super().launch(spec)
@@ -380,6 +440,11 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
         _untrack(proc)
         self.children.append(proc)
         return LaunchResult.accepted()
+
+    def _failed_fork(self, err: Exception) -> None:
+        self._failures += 1
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._disabled = f"{self._failures} failed forks in a row, the last {type(err).__name__}: {err}"
 
     def reconcile(self) -> None:
         """Forget the children that have exited (the forkserver reaped them) and release their pipes."""
@@ -402,11 +467,12 @@ class PreforkedExecutor(SubprocessExecutor):  # type: ignore[misc,valid-type]
         multiprocessing resource tracker."""
         self.reconcile()
         self.children = []  # running ones: their pipes close when the objects go
-        if self._ctx is not None:
+        if self._started:  # also after a failed fork request reset _ctx
             stop_forkserver()
             if self._owns_tracker:
                 _stop_resource_tracker()
             self._ctx = None
+            self._started = False
         super().close()
 
 

@@ -15,14 +15,20 @@ the tags agree, a committed site is kept only if its tag agrees; otherwise the c
 version decides alone, as before tags existed.
 
 Persisted, when a directory is given, as one ``<client-id>.npz`` written atomically
-(temp file + fsync + rename + directory fsync), so a SuperNode restart resumes where it was.
+(temp file + fsync + rename + directory fsync), so a SuperNode restart resumes where it was.  A file that
+cannot be read (torn by a bad disk, truncated, edited) is moved aside to ``<client-id>.npz.corrupt`` with a
+WARNING and the client starts from a fresh state (version 0): the server's next message then makes it ask for its
+ledger site (resync), as after a lost disk.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
 import secrets
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +38,16 @@ from common.atomic_io import atomic_save_npz, load_npz
 from common.protocol import UNKNOWN_VERSION
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+#: What reading a torn or foreign state file can raise: the zip layer (BadZipFile, EOFError, OSError), numpy's .npy
+#: reader (ValueError, EOFError; "pickled data" for bytes that are no zip), the JSON header (ValueError:
+#: JSONDecodeError, UnicodeDecodeError), a missing header (KeyError) or a header of the wrong shape (TypeError,
+#: AttributeError, ValueError in ``from_arrays``).
+_UNREADABLE = (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError, zipfile.BadZipFile)
+#: OSErrors that say nothing about the file's bytes (no permission, out of file descriptors or memory): raised as
+#: they are, not taken for a corrupt file.
+_ENVIRONMENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+log = logging.getLogger("flwr")  # Flower's logger: the ClientApp's own lines
 
 
 @dataclass
@@ -127,8 +143,27 @@ class ClientState:
 
     @classmethod
     def load(cls, state_dir: str | os.PathLike, client_id: str) -> ClientState:
+        """The state saved for ``client_id``; a fresh one if there is none, or if the file cannot be read: then it
+        is moved aside to ``<client-id>.npz.corrupt`` (one WARNING) and the server's ledger restores the site."""
         path = cls.path_for(state_dir, client_id)
         if not path.exists():
             return cls()
-        arrays, meta = load_npz(path)
-        return cls.from_arrays(arrays, meta)
+        try:
+            arrays, meta = load_npz(path)
+            return cls.from_arrays(arrays, meta)
+        except FileNotFoundError:  # removed since the check: as if it had never been there
+            return cls()
+        except _UNREADABLE as err:
+            if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS:
+                raise
+            aside = path.with_name(path.name + ".corrupt")
+            try:
+                os.replace(path, aside)
+                moved = f"moved it to {aside}"
+            except OSError as move_err:
+                moved = f"could not move it aside to {aside} ({type(move_err).__name__}: {move_err})"
+            log.warning(
+                "pgvi-client: the client state file %s cannot be read (%s: %s); %s and starting from a fresh "
+                "state (version 0): the server resends this client's site", path, type(err).__name__, err, moved,
+            )  # fmt: skip
+            return cls()
