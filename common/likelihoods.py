@@ -34,6 +34,32 @@ class CategoricalOutput(LikelihoodOutput):
         self.log_probs = torch.log_softmax(logits, dim=-1)
 
     def log_prob(self, y: Tensor) -> Tensor:
+        """``log p(y_b | theta_s, x_b)`` for labels ``y`` of shape ``(B,)`` (or any shape with ``B`` elements,
+        e.g. ``(B, 1)``): integer class indices in ``[0, C)``; a floating label must be integer-valued.
+
+        Anything else is a ``ValueError``: without the check a short ``y`` silently drops points (``gather``
+        takes the first ``len(y)``), a float label is truncated (``0.99`` -> class 0) and an out-of-range one
+        is a raw index error.  The range check is one ``aminmax`` over the labels (plus, for floating labels
+        only, an integrality test).
+        """
+        b, c = int(self.log_probs.shape[-2]), int(self.log_probs.shape[-1])
+        if y.numel() != b:
+            raise ValueError(
+                f"categorical likelihood: {y.numel()} label(s) of shape {tuple(y.shape)} for a batch of {b} "
+                f"points (logits of shape {tuple(self.logits.shape)}); expected labels of shape ({b},)"
+            )
+        if y.is_complex() or y.dtype == torch.bool:
+            raise ValueError(f"categorical likelihood: labels must be integer class indices, got dtype {y.dtype}")
+        if b and y.device.type != "meta":
+            lo_t, hi_t = torch.aminmax(y)
+            lo, hi = lo_t.item(), hi_t.item()  # two scalar reads: cheaper on the CPU than combining on-device
+            floating = y.is_floating_point()
+            # written so that a NaN label (lo or hi NaN) fails it too
+            if not (lo >= 0 and hi < c) or (floating and bool((y != torch.trunc(y)).any())):
+                raise ValueError(
+                    f"categorical likelihood: labels must be {'integer-valued ' if floating else ''}class indices "
+                    f"in [0, {c}), got labels from {lo:g} to {hi:g} (dtype {y.dtype})"
+                )
         idx = y.long().view(1, -1, 1).expand(self.log_probs.shape[0], -1, 1)
         return self.log_probs.gather(-1, idx).squeeze(-1)
 
@@ -49,8 +75,8 @@ class GaussianOutput(LikelihoodOutput):
     """
 
     def __init__(self, mean: Tensor, sigma: float) -> None:
-        if sigma <= 0:
-            raise ValueError(f"sigma must be > 0, got {sigma}")
+        if not (math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"Gaussian likelihood: sigma must be finite and > 0, got {sigma}")
         self.mean = mean
         self.sigma = float(sigma)
 
@@ -93,4 +119,4 @@ class GaussianOutput(LikelihoodOutput):
         # int N(z; m, s^2 I)^b dz = (2 pi s^2)^{d(1-b)/2} b^{-d/2}
         d = self.event_dim
         val = 0.5 * d * (1 - power) * math.log(2 * math.pi * self.sigma**2) - 0.5 * d * math.log(power)
-        return torch.full(self.mean.shape[:-1], val, dtype=self.mean.dtype)
+        return torch.full(self.mean.shape[:-1], val, dtype=self.mean.dtype, device=self.mean.device)

@@ -49,10 +49,40 @@ if TYPE_CHECKING:
 def _finite_float(value: object, name: str, loss: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{loss}: {name} must be a real number, got {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # e.g. 10**400: an int (or Fraction) beyond the float range
+        raise ValueError(
+            f"{loss}: {name} must be finite, got {type(value).__name__} too large for a float"
+        ) from None
     if not math.isfinite(v):
         raise ValueError(f"{loss}: {name} must be finite, got {v}")
     return v
+
+
+def _check_representable(loss: str, name: str, value: float, dtype: torch.dtype, *scalars: float) -> None:
+    """``ValueError`` unless every Python ``scalar`` the loss multiplies or divides a tensor by is a normal
+    number of ``dtype`` (``torch.finfo(dtype).tiny <= |s| <= max``).
+
+    The scalars are cast to the tensor's dtype: one below the smallest normal becomes 0 or a subnormal (and
+    its reciprocal, or the reciprocal in the backward pass, ``inf``), one above ``max`` becomes ``inf``; either
+    way the loss or its gradient is NaN (``inf * 0``, ``0 / 0``).  A few Python comparisons per call.
+    """
+    if not dtype.is_floating_point:
+        return
+    fi = torch.finfo(dtype)
+    for s in scalars:
+        if not fi.tiny <= abs(s) <= fi.max:
+            small = abs(s) < fi.tiny
+            raise ValueError(
+                f"{loss}: {name}={value:g} is not representable in {dtype}: the factor {s:.3g} it enters the "
+                f"computation as would be {'0 or subnormal' if small else 'inf'} (normal range {fi.tiny:.3g} to "
+                f"{fi.max:.3g}) and the loss or its gradient NaN; "
+                + ("compute in float64 or " if dtype != torch.float64 else "") + "choose a "
+                + ("larger delta (delta -> 0 is the NLL: use loss 'nll')" if loss == "gce"
+                   else f"{name} further from 1 ({name} -> 1 is the NLL up to a constant: use loss 'nll')"
+                   if small else f"smaller {name}")
+            )
 
 
 class Loss(ABC):
@@ -140,7 +170,8 @@ class ScaledLoss(Loss):
 
 def weighted(loss: Loss, weight: float) -> Loss:
     """``loss`` itself for ``weight == 1``, else :class:`ScaledLoss` ``(loss, weight)``."""
-    return loss if float(weight) == 1.0 else ScaledLoss(loss, weight)
+    w = _finite_float(weight, "weight", loss.name)  # before the shortcut: True or "1.0" is no weight
+    return loss if w == 1.0 else ScaledLoss(loss, w)
 
 
 # ==================================================================================================
@@ -174,7 +205,9 @@ class GeneralisedCrossEntropy(Loss):
         return {"delta": self.delta}
 
     def __call__(self, out: LikelihoodOutput, y: Tensor, reference: LikelihoodOutput | None = None) -> Tensor:
-        return -torch.expm1(self.delta * out.log_prob(y)) / self.delta
+        log_p = out.log_prob(y)
+        _check_representable("gce", "delta", self.delta, log_p.dtype, self.delta)
+        return -torch.expm1(self.delta * log_p) / self.delta
 
 
 @LOSSES.register("beta")
@@ -200,6 +233,7 @@ class BetaLoss(Loss):
     def __call__(self, out: LikelihoodOutput, y: Tensor, reference: LikelihoodOutput | None = None) -> Tensor:
         b = self.beta
         log_p = out.log_prob(y)
+        _check_representable("beta", "beta", b, log_p.dtype, b, b - 1.0)
         log_int = out.log_integral_power(b)
         return -torch.exp((b - 1.0) * log_p) / (b - 1.0) + torch.exp(log_int) / b
 
@@ -227,7 +261,9 @@ class GammaLoss(Loss):
     def __call__(self, out: LikelihoodOutput, y: Tensor, reference: LikelihoodOutput | None = None) -> Tensor:
         g = self.gamma
         c = g - 1.0
-        log_ratio = c * out.log_prob(y) - (c / g) * out.log_integral_power(g)
+        log_p = out.log_prob(y)
+        _check_representable("gamma", "gamma", g, log_p.dtype, g, c, c / g, g / c)
+        log_ratio = c * log_p - (c / g) * out.log_integral_power(g)
         return -(g / c) * torch.exp(log_ratio)
 
 
