@@ -386,9 +386,17 @@ def _is_loopback(host: str) -> bool:
 
 
 def _mkdir_private(path: Path) -> None:
-    """Create ``path`` (and missing parents) owner-only (0700): run dirs hold the SuperLink database
-    (stored messages, task tokens), node state and logs."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create ``path`` and each missing parent owner-only (0700): run dirs hold the SuperLink database
+    (stored messages, task tokens), node state and logs.  (``Path.mkdir(parents=True, mode=...)`` gives the mode
+    to the last directory only; the parents it creates get the umask's default.)  Existing directories keep
+    their mode."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        p.mkdir(mode=0o700, exist_ok=True)
 
 
 CONTROL_API_EXPOSED_WARNING = (

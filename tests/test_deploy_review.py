@@ -27,6 +27,7 @@ from scripts.deploy import (
     ProcInfo,
     _build_parser,
     _hostport,
+    _mkdir_private,
     free_port_kwargs,
 )
 
@@ -214,3 +215,14 @@ def test_pki_cli_refuses_a_san_with_a_port(tmp_path):
     with pytest.raises(ValueError, match="port"):
         pki.ensure_pki(tmp_path / "certs", 1, ["fl.example.org:9092"])
     assert not (tmp_path / "certs" / "ca.key").exists()
+
+
+def test_private_dirs_are_owner_only_down_to_every_created_parent(tmp_path):
+    """``up`` makes nodes/site-k/state and homes/...: the parents it creates on the way are 0700 too (they were
+    the umask's 0755: Path.mkdir gives ``mode`` to the last directory only); existing directories keep theirs."""
+    tmp_path.chmod(0o755)
+    deep = tmp_path / "run" / "nodes" / "site-0" / "state"
+    _mkdir_private(deep)
+    assert [_mode(p) for p in (deep, deep.parent, deep.parent.parent, tmp_path / "run")] == [0o700] * 4
+    assert _mode(tmp_path) == 0o755
+    _mkdir_private(deep)  # exists: no error
