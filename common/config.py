@@ -40,6 +40,13 @@ _FLOAT_RANGE = {"float32": (2.0**-126, (2.0 - 2.0**-23) * 2.0**127),
                 "float64": (sys.float_info.min, sys.float_info.max)}
 
 
+def clients_per_round(fraction: float, n: int) -> int:
+    """How many of ``n`` usable clients a synchronous or sequential round samples with ``fraction-train`` =
+    ``fraction``: ``fraction x n`` rounded half up (``floor(fraction x n + 0.5)``: 0.5 x 5 -> 3, 0.625 x 4 -> 3;
+    Python's ``round`` rounds halves to even, 2.5 -> 2 but 3.5 -> 4), at least 1 and at most ``n`` (``n >= 1``)."""
+    return max(1, min(n, math.floor(fraction * n + 0.5)))
+
+
 class RunConfig(BaseModel):
     """Every knob of a PGVI run.  Field ``foo_bar`` is run-config key ``foo-bar``."""
 
@@ -91,7 +98,11 @@ class RunConfig(BaseModel):
         "auto", description="asynchronous: reject updates older than this many versions; 'auto' = num-clients"
     )
     num_server_rounds: int = Field(5, ge=1)
-    fraction_train: float = Field(1.0, gt=0, le=1)
+    fraction_train: float = Field(
+        1.0, gt=0, le=1,
+        description="synchronous/sequential: each round samples clients_per_round(fraction, N) of the N usable "
+                    "clients, i.e. fraction x N rounded half up (0.5 x 5 -> 3), at least 1",
+    )
     min_clients: int = Field(2, ge=1)
     aggregator: Literal["sum", "norm_clip", "trimmed_mean", "median"] = Field(
         "sum", description="how a synchronous batch of Deltas is combined (robust options for Byzantine clients)"
@@ -193,10 +204,18 @@ class RunConfig(BaseModel):
             raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v}")
         return v
 
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _staleness_not_bool(cls, v: object) -> object:
+        # before the union: pydantic would read true / false as the integers 1 / 0
+        if isinstance(v, bool):
+            raise ValueError(f"max-staleness must be an integer >= 0 or 'auto', got {v!r}")
+        return v
+
     @field_validator("max_staleness")
     @classmethod
     def _staleness_range(cls, v: int | str) -> int | str:
-        if v != "auto" and (isinstance(v, bool) or int(v) < 0):
+        if v != "auto" and int(v) < 0:
             raise ValueError(f"max-staleness must be an integer >= 0 or 'auto', got {v!r}")
         return v
 
@@ -270,13 +289,13 @@ class RunConfig(BaseModel):
 
     def aggregator_warning(self) -> str | None:
         """Why the Byzantine-robust aggregator cannot limit any client in this run's synchronous batches of
-        ``M = max(1, round(fraction-train * num-clients))`` Deltas (fewer if clients fail), or ``None``: a trimmed
+        ``M = clients_per_round(fraction-train, num-clients)`` Deltas (fewer if clients fail), or ``None``: a trimmed
         mean that trims ``floor(trim * M) = 0`` values, a median of at most 2 values and a median-relative clipping
         bound of at most 2 norms are the plain mean / no clipping.  Not an error (a configuration may be reused
         with more clients); the server logs it before round 1."""
         if self.schedule != "synchronous" or self.aggregator == "sum":
             return None
-        m = max(1, int(round(self.fraction_train * self.num_clients)))
+        m = clients_per_round(self.fraction_train, self.num_clients)
         if self.aggregator == "trimmed_mean" and int(self.aggregator_trim * m) == 0:
             return (f"aggregator trimmed_mean with aggregator-trim = {self.aggregator_trim:g} trims floor("
                     f"{self.aggregator_trim:g} x {m}) = 0 of the {m} Deltas of a round: it is the plain mean and "

@@ -15,9 +15,11 @@ A Delta is applied only if it decodes to the right names/shapes/dtypes, is finit
 the ledger's version of the client's site, keeps the posterior proper, and (async) is fresh enough.
 Otherwise it is rejected with a logged reason, counted in the round's metrics, and the state is unchanged;
 the client then rolls its pending site back (see ``common.client_state``).  A client that fails or times out
-keeps its old site and the run continues; it stops (:class:`AllClientsFailed`) when every client of a round failed
-(asynchronous: when every client's latest message failed and nothing was applied since).  A batch that only the
-combination of its Deltas makes invalid is rejected whole without charging any client a bad reply.
+keeps its old site and the run continues; it stops (:class:`AllClientsFailed`) when the latest message of every
+usable client (connected, identified, not excluded) failed and no update was applied since: with every client in
+each round, when every client of a round failed; with ``fraction-train`` < 1, not when the few clients sampled in
+one round failed while others are healthy.  A batch that only the combination of its Deltas makes invalid is
+rejected whole without charging any client a bad reply.
 
 Runtime API calls (push/pull) that fail transiently (HTTP 5xx, 408, 429, a dropped connection, an expired
 object-push session) are retried with a short backoff until the round deadline; only then are the messages
@@ -59,6 +61,7 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPu
 from common import protocol as P
 from common.aggregation import make_aggregator
 from common.backoff import GeometricBackoff
+from common.config import clients_per_round
 from common.errors import PGVIError
 from common.factors import PGVIServerState, UpdateRejected, kl_server_step
 from common.server_gvi import ServerGVIStep
@@ -76,6 +79,7 @@ POLL_FACTOR = 1.5  # growth of the wait between two pulls for replies while none
 _REQUERY_FIRST, _REQUERY_MAX = 30.0, 600.0  # backoff before asking an unidentified node again (doubles)
 RESEND_FIRST, RESEND_MAX = 1.0, 30.0  # asynchronous: wait before re-sending to a node whose message failed
 RESEND_FACTOR = 2.0  # growth of that wait per further failure (up to resend_max)
+STALE_STREAK_WARN = 3  # asynchronous: warn when this many updates of one client in a row were rejected as stale
 
 
 def _sleep_until(seconds: float, until: float) -> None:
@@ -113,8 +117,8 @@ def _finite_number(value: object) -> float | None:
 
 
 class AllClientsFailed(RuntimeError):
-    """Every message of a round failed (asynchronous: every client's latest message, with no update applied since):
-    the run cannot make progress, so it stops with the clients' reason."""
+    """The latest message of every usable client failed, with no update applied since (with full participation:
+    every message of a round failed): the run cannot make progress, so it stops with the clients' reason."""
 
 
 @dataclass
@@ -293,7 +297,9 @@ class PGVIStrategy(Strategy):
         self.round_applied = 0
         self.done_in_round: set[str] = set()  # sequential: clients already visited in the current round
         self._rng_round: tuple[int, object] | None = None  # (round, sampling RNG state before it sampled)
-        self._failing: set[str] = set()  # asynchronous: clients whose latest outcome failed, nothing applied since
+        self._failing: set[str] = set()  # clients whose latest outcome failed, nothing applied since
+        # asynchronous: client -> (stale rejections since its last applied update, the largest staleness among them)
+        self._stale_streak: dict[str, tuple[int, int]] = {}
         self._requery: dict[int, tuple[float, float]] = {}  # unidentified node -> (next query time, backoff)
         self._order_warned = False
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
@@ -423,8 +429,8 @@ class PGVIStrategy(Strategy):
         r is recorded, not sent again (:meth:`_record_applied_round`), and round r+1 draws the clients it drew
         before the crash (:meth:`sampling_state_to_checkpoint`); clients with a pending update of round r+1
         reconcile through the ledger.
-        A round in which every client failed is never pipelined: its record is written and the run stops
-        before any further message is sent.
+        A round after which the run stops (:meth:`_progress_failure`) is never pipelined: its record is written and
+        the run stops before any further message is sent.
         """
         pending: list[Callable[[], None]] = []  # at most one: the ending of the previous round
 
@@ -434,6 +440,7 @@ class PGVIStrategy(Strategy):
 
         pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation()
                 else None)
+        self._failing = set()
         try:
             self._record_applied_round(grid, result)
             for rnd in range(self.round_completed + 1, num_rounds + 1):
@@ -445,10 +452,11 @@ class PGVIStrategy(Strategy):
                 else:  # never pipelined
                     self._round_sequential(grid, rnd, timeout, stats)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
-                if pool is not None and not self._all_failed(stats):
+                failure = self._progress_failure(rnd, stats, grid)
+                if pool is not None and failure is None:
                     pending.append(self._end_round_later(pool, rnd, stats, grid, result))
                 else:
-                    self._close_round(rnd, stats, grid, result, do_client_eval=True)
+                    self._close_round(rnd, stats, grid, result, do_client_eval=True, failure=failure)
             finish_pending()
         except BaseException:
             try:  # keep the last round's record and checkpoint if its evaluation can still finish
@@ -498,16 +506,17 @@ class PGVIStrategy(Strategy):
             return metrics
 
         future: Future[dict[str, float]] = pool.submit(run)
+        # the progress check was made when the round ended (a round after which the run stops is not pipelined)
         return lambda: self._close_round(rnd, stats, grid, result, do_client_eval=False, server_metrics=future.result())
 
     def _close_round(self, rnd: int, stats: RoundStats, grid: Grid, result: Result, do_client_eval: bool,
-                     server_metrics: dict[str, float] | None = None, check_progress: bool = True) -> None:
+                     server_metrics: dict[str, float] | None = None, failure: str | None = None) -> None:
         """Record round ``rnd`` (:meth:`_record_round`), then checkpoint it (after the row: the checkpoint of round
-        ``rnd`` holds its history row), then (``check_progress``) stop the run if every client of the round failed."""
+        ``rnd`` holds its history row), then stop the run with ``failure`` (:meth:`_progress_failure`) if given."""
         self._record_round(rnd, stats, grid, result, do_client_eval, server_metrics)
         self._end_round(rnd)
-        if check_progress:
-            self._check_progress(rnd, stats)
+        if failure is not None:
+            raise AllClientsFailed(failure)
 
     def _checkpoint(self) -> None:
         if self.checkpoint_dir is not None:
@@ -530,15 +539,31 @@ class PGVIStrategy(Strategy):
     def _all_failed(stats: RoundStats) -> bool:
         return stats.sent > 0 and stats.applied == 0 and stats.failed >= stats.sent
 
-    def _check_progress(self, rnd: int, stats: RoundStats) -> None:
-        if self._all_failed(stats):
-            raise AllClientsFailed(
-                f"round {rnd}: all {stats.sent} client messages failed (last reason: {self._last_failure})"
-            )
+    def _usable_clients(self, grid: Grid) -> set[str]:
+        """The ids of the connected, identified, not excluded clients (no identity query is sent)."""
+        return {c for n in grid.get_node_ids() if (c := self.node_client.get(n)) is not None and not self._excluded(c)}
+
+    def _progress_failure(self, rnd: int, stats: RoundStats, grid: Grid) -> str | None:
+        """Synchronous and sequential: why the run must stop after round ``rnd`` (:class:`AllClientsFailed`), else
+        ``None``.  The asynchronous schedule's rule (:meth:`_check_async_progress`): the latest message of every
+        usable client failed and no update was applied since, checked after a round whose every message failed.
+        With every client in each round that is "every client of the round failed", as before; with
+        ``fraction-train`` < 1 a round whose few sampled clients failed does not stop the run while a client not
+        tried since the last applied update may be healthy (a failing client keeps its old site).  If no usable
+        client is left, the round's own outcome decides."""
+        if not self._all_failed(stats):
+            return None
+        clients = self._usable_clients(grid)
+        if clients and not clients <= self._failing:
+            return None
+        if not clients or stats.sent >= len(clients):  # the round itself tried every client
+            return f"round {rnd}: all {stats.sent} client messages failed (last reason: {self._last_failure})"
+        return (f"round {rnd}: the latest message of every client ({', '.join(sorted(clients))}) failed and no "
+                f"update was applied since (last reason: {self._last_failure})")
 
     def _note_outcome(self, node: int, failed: bool, applied: bool = False) -> None:
-        """Asynchronous: remember whether the latest message to ``node``'s client failed, for
-        :meth:`_check_async_progress`.  An applied update is progress: it forgives every earlier failure."""
+        """Remember whether the latest message to ``node``'s client failed, for :meth:`_check_async_progress` and
+        :meth:`_progress_failure`.  An applied update is progress: it forgives every earlier failure."""
         if applied:
             self._failing.clear()
         cid = self.node_client.get(node)
@@ -551,14 +576,32 @@ class PGVIStrategy(Strategy):
 
     def _check_async_progress(self, rnd: int, clients: set[str]) -> None:
         """Asynchronous: stop when the latest message of every usable client (connected, identified, not excluded)
-        failed and no update was applied since.  A round's counts cannot tell: a round is num-clients outcomes, so
-        a client that fails at once fills it alone while a slower, healthy client's update is on its way (and a
-        failing client keeps its old site; the run goes on)."""
+        failed and no update was applied since.  A round's counts cannot tell: a round is one outcome per usable
+        client, so a client that fails at once fills it alone while a slower, healthy client's update is on its way
+        (and a failing client keeps its old site; the run goes on)."""
         if clients and clients <= self._failing:
             raise AllClientsFailed(
                 f"round {rnd}: the latest message of every client ({', '.join(sorted(clients))}) failed and no "
                 f"update was applied since (last reason: {self._last_failure})"
             )
+
+    def _note_stale(self, rnd: int, client_id: str, staleness: int, bound: int) -> None:
+        """Asynchronous: count a stale rejection of ``client_id``'s update; when :data:`STALE_STREAK_WARN` of its
+        updates in a row were rejected as stale, none applied in between, warn once for that streak: the client is
+        slower than the others (or ``max-staleness`` is below M - 1), so every update it sends arrives after more
+        than ``max-staleness`` others and it never contributes."""
+        streak, seen = self._stale_streak.get(client_id, (0, 0))
+        streak, seen = streak + 1, max(seen, staleness)
+        self._stale_streak[client_id] = (streak, seen)
+        if streak == STALE_STREAK_WARN:
+            log(WARNING, "round %d: client '%s': its last %d updates in a row were rejected as stale (staleness up to "
+                "%d > max-staleness %d) and none was applied in between: it contributes nothing to the posterior; a "
+                "larger max-staleness (at least %d) would accept such updates", rnd, client_id, streak, seen, bound,
+                seen)
+
+    def _note_applied(self, client_id: str) -> None:
+        """Asynchronous: an update of ``client_id`` was applied: its stale streak (:meth:`_note_stale`) ends."""
+        self._stale_streak.pop(client_id, None)
 
     def _round_synchronous(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats,
                            after_push: Callable[[], None] | None = None) -> None:
@@ -566,8 +609,16 @@ class PGVIStrategy(Strategy):
         stats.sent += len(msgs)
         replies = self._send_and_receive(grid, msgs, timeout, stats, after_push)
         self._count_timeouts(rnd, len(msgs), replies, stats)
+        failed_nodes: set[int] = set()
+        applied = stats.applied
         with stats.timed("apply"):
-            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats, whole_round=True)
+            self._apply_batch(rnd, self._decode_replies(rnd, replies, stats, failed_nodes), stats, whole_round=True)
+        answered = {m.metadata.src_node_id for m in replies}
+        for m in msgs:  # an error reply, a failed status or no reply (a timeout, a failed push) is a failure
+            node = m.metadata.dst_node_id
+            self._note_outcome(node, failed=node in failed_nodes or node not in answered)
+        if stats.applied > applied:  # the batch is applied after (and forgives) its own failures
+            self._failing.clear()
 
     def _round_sequential(self, grid: Grid, rnd: int, timeout: float, stats: RoundStats) -> None:
         nodes = self._sample_nodes(grid)
@@ -577,11 +628,13 @@ class PGVIStrategy(Strategy):
             if node is None or cid in self.done_in_round:
                 continue
             stats.sent += 1
+            failed, applied = stats.failed, stats.applied
             replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout, stats)
             self._count_timeouts(rnd, 1, replies, stats)
             self.done_in_round.add(cid)
             with stats.timed("apply"):
                 self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
+            self._note_outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
 
     def _sequential_order(self, by_client: dict[str, int]) -> list[str]:
         """``sequential-order``'s clients first, in that order, then every other client in sorted order: a client
@@ -599,13 +652,16 @@ class PGVIStrategy(Strategy):
         return listed + rest
 
     def _run_asynchronous(self, grid: Grid, num_rounds: int, timeout: float, result: Result) -> None:
-        """Keep one message in flight per client; a 'round' is num-clients outcomes (applied, rejected or failed).
+        """Keep one message in flight per client; a 'round' is as many outcomes (applied, rejected or failed) as
+        there are usable clients (connected, identified, not excluded) when the round opens, whatever
+        fraction-train: num-clients once every client has connected, fewer while some have not (a client that never
+        connects must not keep a round from closing), more from the round after a late client was identified.
 
         A node whose message failed (an error reply, a failed push, a timeout) is sent its next message only after
         a back-off (``resend_first`` seconds, doubling per further failure up to ``resend_max``; any other outcome
         resets it): a client that fails at once would otherwise be re-sent at every poll and fill the remaining
         rounds with its failures while a healthy client's update is still being computed."""
-        per_round = max(1, len(self._known_nodes(grid)))  # a 'round' = num-clients updates, whatever fraction-train
+        per_round = max(1, len(self._known_nodes(grid)))  # outcomes that close the round: one per usable client
         inflight: dict[str, tuple[int, float, int]] = {}  # message id -> (node id, sent time, posterior version)
         busy: set[int] = set()
         resend_at: dict[int, tuple[float, GeometricBackoff]] = {}  # failing node -> (earliest next send, its back-off)
@@ -616,6 +672,7 @@ class PGVIStrategy(Strategy):
         poll = self._reply_poll()
         usable: list[int] = []  # the nodes the last dispatch could use (connected, identified, not excluded)
         self._failing = set()
+        self._stale_streak = {}
 
         def outcome(node: int, failed: bool, applied: bool = False) -> None:
             self._note_outcome(node, failed, applied)
@@ -626,13 +683,15 @@ class PGVIStrategy(Strategy):
             resend_at[node] = (time.time() + backoff.next_wait(), backoff)
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
-            nonlocal resolved
+            nonlocal resolved, per_round
             if rnd > num_rounds or resolved < per_round:
                 return rnd, stats
             resolved = 0
             result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
-            self._close_round(rnd, stats, grid, result, do_client_eval=False, check_progress=False)
+            self._close_round(rnd, stats, grid, result, do_client_eval=False)
             self._check_async_progress(rnd, {self.node_client[n] for n in usable if n in self.node_client})
+            if rnd < num_rounds:  # the next round opens: its size is the number of usable clients now
+                per_round = max(1, len(self._known_nodes(grid)))
             return rnd + 1, RoundStats()
 
         while rnd <= num_rounds:
@@ -650,13 +709,13 @@ class PGVIStrategy(Strategy):
                     mids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)),
                                          min(deadline, time.time() + timeout))
                 if mids is None:
-                    stats.failed += len(msgs)
-                    resolved += len(msgs)
-                    for msg in msgs:
-                        outcome(msg.metadata.dst_node_id, failed=True)
                     log(WARNING, "round %d: %d message(s) could not be pushed; those clients keep their old sites", rnd, len(msgs))
-                    stats.sent += len(msgs)
-                    rnd, stats = close_if_full(rnd, stats)
+                    for msg in msgs:  # one outcome at a time: a round closes after exactly per_round outcomes
+                        stats.sent += 1
+                        stats.failed += 1
+                        resolved += 1
+                        outcome(msg.metadata.dst_node_id, failed=True)
+                        rnd, stats = close_if_full(rnd, stats)
                 else:
                     for mid, msg in zip(mids, msgs):
                         inflight[mid] = (msg.metadata.dst_node_id, time.time(), self.state.version)
@@ -686,11 +745,16 @@ class PGVIStrategy(Strategy):
                         continue
                     staleness = self.state.version - sent_version  # the server's record, not the reply's claim
                     stats.staleness.append(staleness)
-                    if staleness > self.cfg.staleness_bound():
-                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {self.cfg.staleness_bound()})", stats, bad=False)
+                    bound = self.cfg.staleness_bound()
+                    if staleness > bound:
+                        self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {bound})", stats, bad=False)
+                        self._note_stale(rnd, d.client_id, staleness, bound)
                         continue
+                    before = stats.applied
                     with stats.timed("apply"):
                         self._apply_batch(rnd, [d], stats)
+                    if stats.applied > before:
+                        self._note_applied(d.client_id)
                 if sent_version >= 0:  # the outcome of a message in flight (not a duplicate)
                     outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
                 rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
@@ -832,7 +896,7 @@ class PGVIStrategy(Strategy):
         if not nodes:
             self._check_not_all_excluded()
         frac = self.cfg.fraction_train if fraction is None else fraction
-        k = max(1, int(round(frac * len(nodes))))  # min-clients gates the start of the run, not each round
+        k = clients_per_round(frac, len(nodes))  # halves up; min-clients gates the start of the run, not each round
         if k >= len(nodes):
             return nodes
         return sorted(self.rng.sample(nodes, k), key=lambda n: self.node_client[n])
@@ -995,7 +1059,10 @@ class PGVIStrategy(Strategy):
         self.resync.add(client_id)
         self._checkpoint()
 
-    def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats) -> list[Reply]:
+    def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats,
+                        failed_nodes: set[int] | None = None) -> list[Reply]:
+        """Decode and check train replies (not yet applied); the nodes whose reply is a failure (an error or a
+        ``failed`` status) are added to ``failed_nodes``."""
         out: list[Reply] = []
         seen: set[str] = set()
         for msg in replies:
@@ -1003,6 +1070,8 @@ class PGVIStrategy(Strategy):
             cid = self.node_client.get(node, f"<node {node}>")
             if msg.has_error():
                 stats.failed += 1
+                if failed_nodes is not None:
+                    failed_nodes.add(node)
                 reason = _last_line(msg.error.reason)
                 self._last_failure = f"client '{cid}': {reason}"
                 log(WARNING, "round %d: client '%s' failed: %s", rnd, cid, reason)
@@ -1025,6 +1094,8 @@ class PGVIStrategy(Strategy):
                     continue
                 if status == P.STATUS_FAILED:
                     stats.failed += 1
+                    if failed_nodes is not None:
+                        failed_nodes.add(node)
                     self._last_failure = str(cfg.get("reason", ""))
                     log(WARNING, "round %d: client '%s' could not update: %s", rnd, cid, cfg.get("reason", ""))
                     continue
