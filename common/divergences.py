@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import sys
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -52,6 +53,7 @@ from common.fast_math import log_ratio
 from common.registry import Registry
 
 _SQRT2 = math.sqrt(2.0)
+_FR_LOG_FORM = 1e4  # fisher_rao_univariate: beyond this x = (1+D)/(1-D) - 1, log1p(x) is taken in log form
 
 __all__ = [
     "DIVERGENCES",
@@ -101,6 +103,23 @@ def _safe_sqrt(x: Tensor) -> Tensor:
     safe = torch.where(pos, x, torch.ones_like(x))
     zero_or_nan = torch.where(x == 0, torch.zeros_like(x), torch.full_like(x, math.nan))
     return torch.where(pos, torch.sqrt(safe), zero_or_nan)
+
+
+def _log1p_over_x(x: Tensor) -> Tensor:
+    """``log1p(x) / x`` (1 at ``x == 0``) for ``x > -1``, accurate and with a finite gradient for every ``x``,
+    including ``x`` so small that ``x * x`` underflows (there ``log1p(x)/x`` would be 0/0 or its autograd
+    derivative ``1/(x (1+x)) - log1p(x)/x^2`` inf - inf).  For ``|x| < eps^(1/4)`` the Taylor polynomial
+    ``1 - x/2 + x^2/3 - x^3/4`` (truncation ``x^4/5 < eps``), elsewhere the quotient; each branch is fed a
+    harmless argument where it is not taken (no ``0 * inf = NaN`` in the gradient).
+
+    Used by the Alpha-Renyi forms to write ``log1p(w m) - w log1p(m) = w [m log1p(w m)/(w m) - log1p(m)]`` so
+    that the factor ``w`` (``1 - alpha`` near ``alpha = 1``, ``alpha`` near ``alpha = 0``) cancels against the
+    normalisation ``1/(alpha (alpha - 1))`` analytically instead of in rounding."""
+    small = x.abs() < torch.finfo(x.dtype).eps ** 0.25
+    xb = torch.where(small, torch.ones_like(x), x)
+    xs = torch.where(small, x, torch.zeros_like(x))
+    series = 1.0 + xs * (-0.5 + xs * (1.0 / 3.0 - 0.25 * xs))
+    return torch.where(small, series, torch.log1p(xb) / xb)
 
 
 def _check_finite_distance(value: Tensor, what: str) -> Tensor:
@@ -215,13 +234,21 @@ def kl_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaussian) -> 
     return 0.5 * (trace - q.dim + maha - logdet_ratio)
 
 
+def _check_alpha(alpha: object) -> float:
+    """``alpha`` as a finite float other than 0 and 1, else ValueError (a NaN alpha must not reach the region
+    checks, whose comparisons are all False for NaN and would report it as an undefined divergence)."""
+    alpha = _check_real_hyper("alpha", alpha)
+    if alpha in (0.0, 1.0):
+        raise ValueError(f"alpha must not be 0 or 1 here, got {alpha}")
+    return alpha
+
+
 def _alpha_mixture(q: GaussianFactor, p: GaussianFactor, alpha: float) -> GaussianFactor:
     """``alpha eta_q + (1 - alpha) eta_p`` after the checks both Alpha-Renyi closed forms share: same layout,
     ``alpha not in {0, 1}``, ``q`` and ``p`` proper, and the mixture proper (else
     :class:`DivergenceUndefinedError`)."""
     _check_same_layout(q, p)
-    if alpha in (0.0, 1.0):
-        raise ValueError(f"alpha must not be 0 or 1 here, got {alpha}")
+    alpha = _check_alpha(alpha)
     q.detach().check_proper("q in alpha_renyi")
     p.detach().check_proper("p in alpha_renyi")
     mix = q.combine(p, alpha, 1.0 - alpha)
@@ -238,6 +265,7 @@ def alpha_renyi_via_log_normalizer(q: GaussianFactor, p: GaussianFactor, alpha: 
     Raises :class:`DivergenceUndefinedError` if the combined natural parameter is improper (see
     :class:`AlphaRenyi` for the region).  ``alpha`` is not validated here beyond ``alpha not in {0, 1}``.
     """
+    alpha = _check_alpha(alpha)
     mix = _alpha_mixture(q, p, alpha)
     num = mix.log_normalizer() - alpha * q.log_normalizer() - (1.0 - alpha) * p.log_normalizer()
     return num / (alpha * (alpha - 1.0))
@@ -250,18 +278,36 @@ def alpha_renyi_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaus
 
     ``Sigma_a = alpha Sigma_p + (1-alpha) Sigma_q``, evaluated without inverses through the combined precision
     ``Lambda_a = alpha Lambda_q + (1-alpha) Lambda_p = L_a L_a^T``: ``Sigma_a = Sigma_q Lambda_a Sigma_p``, so
-    ``Sigma_a^{-1} = Lambda_p Lambda_a^{-1} Lambda_q`` and
+    ``Sigma_a^{-1} = Lambda_p Lambda_a^{-1} Lambda_q`` and ``dmu^T Sigma_a^{-1} dmu = <L_a^{-1} Lambda_p dmu,
+    L_a^{-1} Lambda_q dmu>`` with ``dmu = mu_q - mu_p`` formed explicitly.
 
-        dmu^T Sigma_a^{-1} dmu = <L_a^{-1} Lambda_p dmu, L_a^{-1} Lambda_q dmu>,
-        log-det term = 2 sum_i [alpha log(L_a,ii / L_q,ii) + (1-alpha) log(L_a,ii / L_p,ii)],
+    The log-det term ``log|Lambda_a| - alpha log|Lambda_q| - (1-alpha) log|Lambda_p|`` is O(1 - alpha) near
+    ``alpha = 1`` and O(alpha) near ``alpha = 0`` while the normalisation divides by ``alpha (alpha - 1)``, so it
+    is expanded around the nearer end (the full-covariance analogue of
+    :func:`alpha_renyi_mean_field_elementwise`).  For ``alpha >= 1/2``, with ``L_q`` the Cholesky factor of
+    ``Lambda_q``, ``w = 1 - alpha`` and ``m_i`` the eigenvalues of the symmetric
+    ``M = L_q^{-1} (Lambda_p - Lambda_q) L_q^{-T}`` (``Lambda_a = L_q (I + w M) L_q^T``,
+    ``Lambda_p = L_q (I + M) L_q^T``):
 
-    with ``dmu = mu_q - mu_p`` formed explicitly.  This is accurate in float32 where the log-normaliser form
-    :func:`alpha_renyi_via_log_normalizer` cancels ~10^6-sized terms (14 % off at means ~10 and precisions
-    ~10^4 for alpha = 2.5), and equals it in float64 to rounding.
+        log-det term = sum_i [log1p(w m_i) - w log1p(m_i)] = w S,
+        S = sum_i m_i log1p(w m_i)/(w m_i) - log(|Lambda_p| / |Lambda_q|),
+        log-det term / (2 alpha (alpha - 1)) = -S / (2 alpha);
+
+    for ``alpha < 1/2`` the same with the roles of ``q`` and ``p`` swapped (``w = alpha``, ``M`` from ``L_p`` and
+    ``Lambda_q - Lambda_p``), giving ``S / (2 (alpha - 1))``.  The factor ``w`` thus cancels analytically: the
+    value is accurate in float32 as ``alpha -> 1`` (where the former ``2 sum_i [alpha log(L_a,ii/L_q,ii) +
+    (1-alpha) log(L_a,ii/L_p,ii)]`` cancelled: 0.216 instead of 0.2662 at ``alpha = 1 - 1e-6``) and as ``alpha ->
+    0`` (where it lost the log-det term altogether), and tends to ``KL(q || p)`` and ``KL(p || q)`` there.  The
+    log-determinant ratio comes from the Cholesky diagonals (as in :func:`kl_full_covariance`), the eigenvalues
+    from ``torch.linalg.eigvalsh`` (its gradient is stable also for repeated eigenvalues).  This is accurate in
+    float32 where the log-normaliser form :func:`alpha_renyi_via_log_normalizer` cancels ~10^6-sized terms (14 %
+    off at means ~10 and precisions ~10^4 for alpha = 2.5), and equals it in float64 to rounding.
 
     Raises :class:`DivergenceUndefinedError` if ``Lambda_a`` is not positive definite (see :class:`AlphaRenyi`
-    for the region).  ``alpha`` is not validated here beyond ``alpha not in {0, 1}``.
+    for the region), or if it is only to rounding (``1 + w m_i <= 0``).  ``alpha`` must be a finite real other
+    than 0 and 1 (else ValueError); it is not otherwise validated.
     """
+    alpha = _check_alpha(alpha)
     mix = _alpha_mixture(q, p, alpha)
     lam_a = mix.precision()
     chol_a, info = torch.linalg.cholesky_ex(0.5 * (lam_a + lam_a.T))
@@ -275,11 +321,25 @@ def alpha_renyi_full_covariance(q: FullCovarianceGaussian, p: FullCovarianceGaus
     zq = torch.linalg.solve_triangular(chol_a, (lam_q @ dmu).unsqueeze(-1), upper=False).squeeze(-1)
     zp = torch.linalg.solve_triangular(chol_a, (lam_p @ dmu).unsqueeze(-1), upper=False).squeeze(-1)
     quad = (zq * zp).sum()
-    diag_a = torch.diagonal(chol_a)
-    log_term = 2.0 * (
-        alpha * torch.log(diag_a / torch.diagonal(chol_q)) + (1.0 - alpha) * torch.log(diag_a / torch.diagonal(chol_p))
-    ).sum()
-    return 0.5 * quad - log_term / (2.0 * alpha * (alpha - 1.0))
+    if alpha >= 0.5:  # expand around q: Lambda_a = Lambda_q + (1 - alpha) (Lambda_p - Lambda_q)
+        w, chol_b, chol_o, diff = 1.0 - alpha, chol_q, chol_p, lam_p - lam_q
+    else:  # expand around p: Lambda_a = Lambda_p + alpha (Lambda_q - Lambda_p)
+        w, chol_b, chol_o, diff = alpha, chol_p, chol_q, lam_q - lam_p
+    x = torch.linalg.solve_triangular(chol_b, diff, upper=False)  # L_b^{-1} (Lambda_o - Lambda_b)
+    m = torch.linalg.solve_triangular(chol_b, x.T, upper=False)  # L_b^{-1} (Lambda_o - Lambda_b) L_b^{-T}
+    eig = torch.linalg.eigvalsh(0.5 * (m + m.T))
+    wm = w * eig
+    if not bool((wm.detach() > -1.0).all()):
+        raise DivergenceUndefinedError(
+            _undefined_message(
+                alpha, "the combined precision is on the boundary of positive definiteness to rounding "
+                f"(smallest eigenvalue of the relative combined precision {float((1.0 + wm.detach()).min()):.4g})"
+            )
+        )
+    logdet_ratio = 2.0 * torch.log(torch.diagonal(chol_o) / torch.diagonal(chol_b)).sum()  # log|L_o| - log|L_b|
+    s_sum = (eig * _log1p_over_x(wm)).sum() - logdet_ratio
+    log_part = -s_sum / (2.0 * alpha) if alpha >= 0.5 else s_sum / (2.0 * (alpha - 1.0))
+    return 0.5 * quad - log_part
 
 
 def alpha_renyi_mean_field_elementwise(
@@ -295,13 +355,26 @@ def alpha_renyi_mean_field_elementwise(
 
     which is the Sigma_alpha form ``1/2 d^2 / Sigma_a - log(Sigma_a / (Sigma_q^(1-alpha) Sigma_p^alpha)) /
     (2 alpha (alpha-1))`` with ``Sigma_a = alpha sigma_p^2 + (1-alpha) sigma_q^2 = lambda_a sigma_q^2
-    sigma_p^2``, written so that the O(t^2) log term does not cancel O(1) quantities (float32-safe).
+    sigma_p^2``, written so that the O(t^2) log term does not cancel O(1) quantities (float32-safe).  The mean
+    term is evaluated as ``d^2 lambda_p (lambda_q / lambda_a)`` (``alpha >= 1/2``) or ``d^2 lambda_q (lambda_p /
+    lambda_a)`` (``alpha < 1/2``), so that ``lambda_q lambda_p`` is never formed (it overflows float32 at
+    precisions ~1e19 where the divergence is finite).
+
+    The log term above is O(1 - alpha) near ``alpha = 1`` (where the factor ``1 - alpha`` of ``(1-alpha) t``
+    cancels the normalisation), but near ``alpha = 0`` it is O(alpha) and lost in rounding (at ``alpha = 1e-7`` in
+    float32, or ``1e-300`` in float64, only the mean term survived).  For ``alpha < 1/2`` it is therefore
+    expanded around ``p`` instead, with ``s = expm1(-t) = lambda_q / lambda_p - 1``:
+
+        [log1p(alpha s) + alpha t] / (2 alpha (alpha-1)) = [s log1p(alpha s)/(alpha s) + t] / (2 (alpha-1)),
+
+    the factor ``alpha`` cancelled analytically (:func:`_log1p_over_x`), which tends to ``KL(p || q)`` as
+    ``alpha -> 0`` for every representable ``alpha``.
 
     Raises :class:`DivergenceUndefinedError` if ``lambda_a <= 0`` in any coordinate, saying how many.
+    ``alpha`` must be a finite real other than 0 and 1 (else ValueError).
     """
     _check_same_layout(q, p)
-    if alpha in (0.0, 1.0):
-        raise ValueError(f"alpha must not be 0 or 1 here, got {alpha}")
+    alpha = _check_alpha(alpha)
     mq, lq = _mean_precision(q)
     mp, lp = _mean_precision(p)
     lam_a = {n: alpha * lq[n] + (1.0 - alpha) * lp[n] for n in q.names}
@@ -327,17 +400,27 @@ def alpha_renyi_mean_field_elementwise(
         )
     out = {}
     c = 1.0 - alpha
+    near_q = alpha >= 0.5
     for n in q.names:
         t = torch.log(lp[n]) - torch.log(lq[n])
-        arg = c * torch.expm1(t)
+        # expand around q (alpha >= 1/2: arg = (1-alpha)(r - 1)) or around p (alpha < 1/2: arg = alpha(1/r - 1))
+        rel = torch.expm1(t) if near_q else torch.expm1(-t)
+        arg = (c if near_q else alpha) * rel
         if not bool((arg > -1.0).all()):  # lambda_a > 0 but rounding put the coordinate on the boundary
             k = int((~(arg > -1.0)).sum())
             raise DivergenceUndefinedError(
                 _undefined_message(alpha, f"'{n}': {k} coordinates are on the boundary lambda_a = 0 to rounding")
             )
         d = mq[n] - mp[n]
-        mean_term = 0.5 * d * d * lq[n] * lp[n] / lam_a[n]
-        log_term = (torch.log1p(arg) - c * t) / (2.0 * alpha * (alpha - 1.0))
+        # d^2 lambda_q lambda_p / lambda_a with the ratio formed first (lambda_q lambda_p overflows float32 at
+        # precisions ~1e19); for 0 < alpha < 1 the ratio taken is bounded by 1/alpha resp. 1/(1-alpha) <= 2
+        if near_q:
+            mean_term = 0.5 * d * d * (lp[n] * (lq[n] / lam_a[n]))
+            log_term = (torch.log1p(arg) - c * t) / (2.0 * alpha * (alpha - 1.0))
+        else:
+            mean_term = 0.5 * d * d * (lq[n] * (lp[n] / lam_a[n]))
+            # [log1p(alpha rel) + alpha t] / (2 alpha (alpha-1)) with the factor alpha cancelled analytically
+            log_term = (rel * _log1p_over_x(arg) + t) / (2.0 * (alpha - 1.0))
         out[n] = mean_term - log_term
     return out
 
@@ -364,9 +447,13 @@ def fisher_rao_univariate(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> T
     Nielsen (2023):  FR = sqrt2 log((1 + D) / (1 - D)),
                      D  = sqrt(((mu2-mu1)^2 + 2 (s2-s1)^2) / ((mu2-mu1)^2 + 2 (s2+s1)^2)).
 
-    Evaluated as the algebraically equal ``sqrt2 log1p((num + sqrt(num * den)) / (4 s1 s2))`` with ``num`` and
-    ``den`` the numerator and denominator of ``D^2`` (using ``den - num = 8 s1 s2``), which is accurate both
-    for nearby and for far-apart Gaussians.  The square root is a safe one: at ``q == p`` the value is 0 and
+    Evaluated as the algebraically equal ``sqrt2 log1p(x)``, ``x = (num + sqrt(num) sqrt(den)) / (4 s1 s2)`` with
+    ``num`` and ``den`` the numerator and denominator of ``D^2`` (using ``den - num = 8 s1 s2``), which is accurate
+    both for nearby and for far-apart Gaussians.  Where ``x > 1e4`` (or ``x`` itself would overflow: ``num * den
+    ~ dmu^4`` overflowed float32 at a mean gap ~2e9 and float64 at ~1e77, ``4 s1 s2`` underflows for tiny
+    deviations) it is taken in log form, ``log1p(x) = log x + log1p(1/x)`` with ``log x = log sqrt(num) +
+    log(sqrt(num) + sqrt(den)) - log 4 - log s1 - log s2`` and the square roots as ``hypot`` (finite for every
+    finite input: the distance grows only logarithmically).  The square root is a safe one: at ``q == p`` the value is 0 and
     the gradient is 0 (a subgradient of the cone-shaped distance), never NaN.  Broadcasts its arguments.
     A non-finite result (a NaN or infinite argument, or an overflow of ``dm2`` or ``s1 s2``) raises
     :class:`~common.errors.NonFiniteError` instead of being returned.
@@ -374,11 +461,31 @@ def fisher_rao_univariate(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> T
     mu1, s1, mu2, s2 = (torch.as_tensor(x) for x in (mu1, s1, mu2, s2))
     if not (bool((s1 > 0).all()) and bool((s2 > 0).all())):
         raise ValueError("fisher_rao_univariate: standard deviations s1, s2 must be > 0")
-    dm2 = (mu2 - mu1) ** 2
-    num = dm2 + 2.0 * (s2 - s1) ** 2
-    den = dm2 + 2.0 * (s2 + s1) ** 2
-    x = (num + _safe_sqrt(num * den)) / (4.0 * s1 * s2)
-    return _check_finite_distance(_SQRT2 * torch.log1p(x), "fisher_rao_univariate")
+    mu1, s1, mu2, s2 = torch.broadcast_tensors(mu1, s1, mu2, s2)
+    # far apart (x > _FR_LOG_FORM, or x itself not representable): log1p(x) = log x + log1p(1/x) with
+    # log x = log a + log(a + b) - log 4 - log s1 - log s2, a = sqrt(num) and b = sqrt(den) as hypot (no
+    # overflow of dm^2 or of num * den, no underflow of 4 s1 s2); decided on detached values
+    with torch.no_grad():
+        a_d = torch.hypot(mu2 - mu1, _SQRT2 * (s2 - s1))
+        b_d = torch.hypot(mu2 - mu1, _SQRT2 * (s2 + s1))
+        far = (torch.log(a_d) + torch.log(a_d + b_d) - math.log(4.0) - torch.log(s1) - torch.log(s2)) > math.log(
+            _FR_LOG_FORM
+        )
+    one, zero = torch.ones_like(s1), torch.zeros_like(mu1)
+    # near (the closed form as before, fed harmless values where far, so its gradient there is 0, not NaN)
+    m1n, s1n, m2n, s2n = (torch.where(far, r, v) for r, v in ((zero, mu1), (one, s1), (zero, mu2), (one, s2)))
+    dm2 = (m2n - m1n) ** 2
+    num = dm2 + 2.0 * (s2n - s1n) ** 2
+    den = dm2 + 2.0 * (s2n + s1n) ** 2
+    x = (num + _safe_sqrt(num) * torch.sqrt(den)) / (4.0 * s1n * s2n)
+    near_val = torch.log1p(x)
+    # far (fed a point at distance ~1 where near)
+    m1f, s1f, m2f, s2f = (torch.where(far, v, r) for r, v in ((zero, mu1), (one, s1), (one, mu2), (one, s2)))
+    a = torch.hypot(m2f - m1f, _SQRT2 * (s2f - s1f))
+    b = torch.hypot(m2f - m1f, _SQRT2 * (s2f + s1f))
+    log_x = torch.log(a) + torch.log(a + b) - math.log(4.0) - torch.log(s1f) - torch.log(s2f)
+    far_val = log_x + torch.log1p(torch.exp(-log_x))
+    return _check_finite_distance(_SQRT2 * torch.where(far, far_val, near_val), "fisher_rao_univariate")
 
 
 # ==================================================================================================
@@ -437,6 +544,11 @@ class WeightedKL(Divergence):
         w = _check_real_hyper("w", w)
         if w <= 0:
             raise ValueError(f"weighted_kl: hyperparameter w must be > 0, got {w}")
+        if w < sys.float_info.min:  # subnormal: 1/w is infinite (or nearly), every divergence would be inf
+            raise ValueError(
+                f"weighted_kl: hyperparameter w must be at least the smallest normal float64 "
+                f"{sys.float_info.min:.4g} (its reciprocal 1/w must be finite), got {w!r}"
+            )
         self.w = w
 
     def __call__(self, q: GaussianFactor, p: GaussianFactor) -> Tensor:
@@ -468,7 +580,9 @@ class AlphaRenyi(Divergence):
     in the equivalent float32-safe moment forms: per coordinate (mean, precision) for mean-field factors
     (:func:`alpha_renyi_mean_field_elementwise`), the Sigma_alpha form for full covariance
     (:func:`alpha_renyi_full_covariance`).  ``alpha -> 1`` gives ``KL(q || p)`` and
-    ``alpha -> 0`` gives ``KL(p || q)``; use ``"kl"`` / ``"reverse_kl"`` for those values.
+    ``alpha -> 0`` gives ``KL(p || q)``; use ``"kl"`` / ``"reverse_kl"`` for those values.  Both moment forms
+    expand around the nearer limit (``q`` for ``alpha >= 1/2``, ``p`` below), so they are accurate, also in
+    float32, for every representable ``alpha`` other than 0 and 1.
 
     Region where it is finite: ``alpha eta_q + (1-alpha) eta_p`` must be a proper natural parameter, i.e. the
     combined precision ``Lambda_a = alpha Lambda_q + (1-alpha) Lambda_p`` must be positive definite
