@@ -22,6 +22,7 @@ from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, Launc
 from flwr.supercore.superexec.executor import subprocess_executor
 
 from client import preforked_superexec as pf
+from tests.test_preforked_superexec import _wait_reaped, no_forkserver_left  # noqa: F401 - the fixture, shared
 
 
 def _spec(**kw) -> ExecutionSpec:
@@ -37,20 +38,6 @@ def popen(monkeypatch) -> list[list[str]]:
     calls: list[list[str]] = []
     monkeypatch.setattr(subprocess_executor.subprocess, "Popen", lambda args, **kw: calls.append(list(args)))
     return calls
-
-
-@pytest.fixture
-def no_forkserver_left():
-    from multiprocessing import forkserver, resource_tracker
-
-    tracker_before = resource_tracker._resource_tracker._pid
-    yield
-    pid = forkserver._forkserver._forkserver_pid
-    pf.stop_forkserver()
-    assert pid is None, f"the test left forkserver {pid} running"
-    if tracker_before is None and resource_tracker._resource_tracker._pid is not None:
-        pf._stop_resource_tracker()
-        pytest.fail("the test left the resource tracker it started running")
 
 
 @pytest.fixture
@@ -112,14 +99,6 @@ def _ran(out, token: str, timeout: float = 60.0) -> list[dict]:
         time.sleep(0.05)
     time.sleep(0.3)
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"{token}-*.json"))]
-
-
-def _wait_reaped(ex: pf.PreforkedExecutor, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while ex.children and time.monotonic() < deadline:
-        ex.reconcile()
-        time.sleep(0.05)
-    assert ex.children == [], "children not reaped"
 
 
 def _warnings(caplog) -> list[str]:
