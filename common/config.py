@@ -9,6 +9,7 @@ before round 1 — never a traceback in round 7.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 import sys
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -44,7 +45,8 @@ def clients_per_round(fraction: float, n: int) -> int:
     """How many of ``n`` usable clients a synchronous or sequential round samples with ``fraction-train`` =
     ``fraction``: ``fraction x n`` rounded half up (``floor(fraction x n + 0.5)``: 0.5 x 5 -> 3, 0.625 x 4 -> 3;
     Python's ``round`` rounds halves to even, 2.5 -> 2 but 3.5 -> 4), at least 1 and at most ``n`` (``n >= 1``)."""
-    return max(1, min(n, math.floor(fraction * n + 0.5)))
+    # in exact decimal arithmetic: floor(0.58 * 25 + 0.5) is 14 in floats (0.58 * 25 = 14.4999...), 15 exactly
+    return max(1, min(n, math.floor(Fraction(repr(float(fraction))) * n + Fraction(1, 2))))
 
 
 class RunConfig(BaseModel):

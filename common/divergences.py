@@ -471,6 +471,12 @@ def fisher_rao_univariate(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> T
         far = (torch.log(a_d) + torch.log(a_d + b_d) - math.log(4.0) - torch.log(s1) - torch.log(s2)) > math.log(
             _FR_LOG_FORM
         )
+    if not bool(far.any()):  # the usual case: the closed form alone (no second branch to evaluate)
+        dm2 = (mu2 - mu1) ** 2
+        num = dm2 + 2.0 * (s2 - s1) ** 2
+        den = dm2 + 2.0 * (s2 + s1) ** 2
+        x = (num + _safe_sqrt(num) * torch.sqrt(den)) / (4.0 * s1 * s2)
+        return _check_finite_distance(_SQRT2 * torch.log1p(x), "fisher_rao_univariate")
     one, zero = torch.ones_like(s1), torch.zeros_like(mu1)
     # near (the closed form as before, fed harmless values where far, so its gradient there is 0, not NaN)
     m1n, s1n, m2n, s2n = (torch.where(far, r, v) for r, v in ((zero, mu1), (one, s1), (zero, mu2), (one, s2)))

@@ -469,7 +469,13 @@ class FullCovarianceGaussian(GaussianFactor):
         return chol
 
     def covariance(self) -> Tensor:
-        return torch.cholesky_inverse(self._cholesky_precision())
+        """``Lambda^{-1}``; ImproperDistributionError if it overflows (:meth:`improper_detail` checks the precision's
+        Cholesky diagonal only, O(d), since it runs on every divergence call; an ill-conditioned precision can
+        still have an overflowing inverse, caught here where the inverse is formed)."""
+        cov = torch.cholesky_inverse(self._cholesky_precision())
+        if not all_finite(cov.detach()):
+            raise ImproperDistributionError("covariance", f"covariance overflows {cov.dtype}")
+        return cov
 
     def mean(self) -> Tensor:
         return torch.cholesky_solve(self.params["eta1"].unsqueeze(-1), self._cholesky_precision()).squeeze(-1)
@@ -493,8 +499,9 @@ class FullCovarianceGaussian(GaussianFactor):
 
     def improper_detail(self) -> str | None:
         """``None`` if the factor is proper: finite natural parameters, a symmetric precision (see
-        :meth:`structure_detail`) whose Cholesky factorisation succeeds, and a finite covariance (the
-        ``cholesky_inverse`` of that factor; a subnormal precision factorises but its covariance overflows).
+        :meth:`structure_detail`) whose Cholesky factorisation succeeds, with ``1 / L_ii^2`` finite for its
+        diagonal (a subnormal precision factorises but its covariance overflows; checked in O(d), as this runs on
+        every divergence call: :meth:`covariance` checks the formed inverse itself).
 
         "Positive definite" means exactly that the Cholesky factorisation of the symmetrised precision
         succeeds in the factor's dtype; no eigenvalue margin is applied, so a precision that is indefinite
@@ -514,9 +521,10 @@ class FullCovarianceGaussian(GaussianFactor):
             except RuntimeError:  # eigvalsh can fail to converge on extreme inputs
                 smallest = "unknown"
             return f"precision is not positive definite (smallest eigenvalue {smallest})"
-        if not all_finite(torch.cholesky_inverse(chol)):
+        smallest = torch.diagonal(chol).min()
+        if not math.isfinite(float(1.0 / (smallest * smallest))):
             return (f"covariance overflows {e1.dtype} "
-                    f"(smallest Cholesky diagonal of the precision {float(torch.diagonal(chol).min()):.4g})")
+                    f"(smallest Cholesky diagonal of the precision {float(smallest):.4g})")
         return None
 
     def log_normalizer(self) -> Tensor:

@@ -441,9 +441,11 @@ class PGVIStrategy(Strategy):
         pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation()
                 else None)
         self._failing = set()
+        run_sent = run_failed = run_applied = 0  # this process's rounds (a resumed run counts afresh)
         try:
             self._record_applied_round(grid, result)
-            for rnd in range(self.round_completed + 1, num_rounds + 1):
+            first_round = self.round_completed + 1
+            for rnd in range(first_round, num_rounds + 1):
                 self._await_clients(grid, rnd)
                 self._rng_round = (rnd, self.rng.getstate())
                 stats = RoundStats()
@@ -453,6 +455,13 @@ class PGVIStrategy(Strategy):
                     self._round_sequential(grid, rnd, timeout, stats)
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 failure = self._progress_failure(rnd, stats, grid)
+                run_sent, run_failed = run_sent + stats.sent, run_failed + stats.failed
+                run_applied += stats.applied
+                if failure is None and rnd == num_rounds and run_sent and not run_applied and run_failed >= run_sent:
+                    # fraction-train < 1: the sampled clients may never have covered every client, so no round
+                    # stopped the run; a run whose every message failed still ends as a failure, not "completed"
+                    failure = (f"round {rnd}: no update was applied in rounds {first_round}-{rnd}: all {run_sent} "
+                               f"client messages failed (last reason: {self._last_failure})")
                 if pool is not None and failure is None:
                     pending.append(self._end_round_later(pool, rnd, stats, grid, result))
                 else:
@@ -550,7 +559,9 @@ class PGVIStrategy(Strategy):
         With every client in each round that is "every client of the round failed", as before; with
         ``fraction-train`` < 1 a round whose few sampled clients failed does not stop the run while a client not
         tried since the last applied update may be healthy (a failing client keeps its old site).  If no usable
-        client is left, the round's own outcome decides."""
+        client is left, the round's own outcome decides.  (A run whose every message failed without any round
+        stopping it, possible when the samples never covered every client, fails after its last round:
+        :meth:`_run_rounds`.)"""
         if not self._all_failed(stats):
             return None
         clients = self._usable_clients(grid)

@@ -20,7 +20,7 @@ from flwr.app import Message
 
 import strategies.pgvi as pgvi_module
 from client.app import app as client_app
-from common.config import ConfigError, parse_run_config
+from common.config import ConfigError, clients_per_round, parse_run_config
 from common.problem import build_problem
 from strategies.inprocess import InProcessGrid
 from strategies.pgvi import AllClientsFailed, PGVIStrategy
@@ -307,3 +307,29 @@ def test_max_staleness_still_takes_integers_and_auto(value, bound):
 def test_max_staleness_still_refuses_other_values(value):
     with pytest.raises(ConfigError, match="max-staleness"):
         parse_run_config({**BASE, "max-staleness": value})
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
+def test_a_run_whose_every_message_failed_ends_as_a_failure(schedule):
+    """fraction-train 0.34 of 3 clients, every client always fails, 2 rounds: the samples need not cover every
+    client, so no round stops the run; it still must not end as if it had completed: the last round raises."""
+    over = {"schedule": schedule, "fraction-train": 0.34, "num-server-rounds": 2, "seed": 0, "max-bad-replies": 0}
+    cfg, strategy, grid = _setup(over, faults={m: "crash-before-reply" for m in range(3)})
+    with pytest.raises(AllClientsFailed, match=r"round 2: no update was applied in rounds 1-2: all 2 client messages"):
+        strategy.start(grid)
+    assert [int(r["round"]) for r in strategy.history] == [0, 1, 2]
+    assert sum(strategy.ledger_versions.values()) == 0
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
+def test_a_run_with_one_applied_update_is_not_a_failure(schedule):
+    over = {"schedule": schedule, "fraction-train": 0.34, "num-server-rounds": 6, "seed": 0, "max-bad-replies": 0}
+    cfg, strategy, grid = _setup(over, faults={1: "crash-before-reply", 2: "crash-before-reply"})
+    strategy.start(grid)
+    assert len(_rows(strategy)) == 6 and strategy.ledger_versions["site-0"] >= 1
+
+
+@pytest.mark.parametrize(("fraction", "n", "k"), [(0.58, 25, 15), (0.7, 45, 32), (0.29, 50, 15), (0.145, 100, 15)])
+def test_clients_per_round_rounds_decimal_halves_up_exactly(fraction, n, k):
+    """fraction x n is an exact half in decimal but just below it in floats (0.58 x 25 = 14.4999...)."""
+    assert clients_per_round(fraction, n) == k
