@@ -462,36 +462,35 @@ def fisher_rao_univariate(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> T
     if not (bool((s1 > 0).all()) and bool((s2 > 0).all())):
         raise ValueError("fisher_rao_univariate: standard deviations s1, s2 must be > 0")
     mu1, s1, mu2, s2 = torch.broadcast_tensors(mu1, s1, mu2, s2)
-    # far apart (x > _FR_LOG_FORM, or x itself not representable): log1p(x) = log x + log1p(1/x) with
-    # log x = log a + log(a + b) - log 4 - log s1 - log s2, a = sqrt(num) and b = sqrt(den) as hypot (no
-    # overflow of dm^2 or of num * den, no underflow of 4 s1 s2); decided on detached values
+    # far apart (x > _FR_LOG_FORM, or x itself not representable): log1p(x) = log x + log1p(1/x); decided on
+    # detached values
     with torch.no_grad():
-        a_d = torch.hypot(mu2 - mu1, _SQRT2 * (s2 - s1))
-        b_d = torch.hypot(mu2 - mu1, _SQRT2 * (s2 + s1))
-        far = (torch.log(a_d) + torch.log(a_d + b_d) - math.log(4.0) - torch.log(s1) - torch.log(s2)) > math.log(
-            _FR_LOG_FORM
-        )
+        far = _fr_log_x(mu1, s1, mu2, s2) > math.log(_FR_LOG_FORM)
     if not bool(far.any()):  # the usual case: the closed form alone (no second branch to evaluate)
-        dm2 = (mu2 - mu1) ** 2
-        num = dm2 + 2.0 * (s2 - s1) ** 2
-        den = dm2 + 2.0 * (s2 + s1) ** 2
-        x = (num + _safe_sqrt(num) * torch.sqrt(den)) / (4.0 * s1 * s2)
-        return _check_finite_distance(_SQRT2 * torch.log1p(x), "fisher_rao_univariate")
+        return _check_finite_distance(_SQRT2 * _fr_log1p_x(mu1, s1, mu2, s2), "fisher_rao_univariate")
     one, zero = torch.ones_like(s1), torch.zeros_like(mu1)
-    # near (the closed form as before, fed harmless values where far, so its gradient there is 0, not NaN)
-    m1n, s1n, m2n, s2n = (torch.where(far, r, v) for r, v in ((zero, mu1), (one, s1), (zero, mu2), (one, s2)))
-    dm2 = (m2n - m1n) ** 2
-    num = dm2 + 2.0 * (s2n - s1n) ** 2
-    den = dm2 + 2.0 * (s2n + s1n) ** 2
-    x = (num + _safe_sqrt(num) * torch.sqrt(den)) / (4.0 * s1n * s2n)
-    near_val = torch.log1p(x)
+    # near (the closed form, fed harmless values where far, so its gradient there is 0, not NaN)
+    near_val = _fr_log1p_x(*(torch.where(far, r, v) for r, v in ((zero, mu1), (one, s1), (zero, mu2), (one, s2))))
     # far (fed a point at distance ~1 where near)
-    m1f, s1f, m2f, s2f = (torch.where(far, v, r) for r, v in ((zero, mu1), (one, s1), (one, mu2), (one, s2)))
-    a = torch.hypot(m2f - m1f, _SQRT2 * (s2f - s1f))
-    b = torch.hypot(m2f - m1f, _SQRT2 * (s2f + s1f))
-    log_x = torch.log(a) + torch.log(a + b) - math.log(4.0) - torch.log(s1f) - torch.log(s2f)
+    log_x = _fr_log_x(*(torch.where(far, v, r) for r, v in ((zero, mu1), (one, s1), (one, mu2), (one, s2))))
     far_val = log_x + torch.log1p(torch.exp(-log_x))
     return _check_finite_distance(_SQRT2 * torch.where(far, far_val, near_val), "fisher_rao_univariate")
+
+
+def _fr_log1p_x(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> Tensor:
+    """:func:`fisher_rao_univariate`'s ``log1p(x)``, ``x = (num + sqrt(num) sqrt(den)) / (4 s1 s2)``, directly."""
+    dm2 = (mu2 - mu1) ** 2
+    num = dm2 + 2.0 * (s2 - s1) ** 2
+    den = dm2 + 2.0 * (s2 + s1) ** 2
+    return torch.log1p((num + _safe_sqrt(num) * torch.sqrt(den)) / (4.0 * s1 * s2))
+
+
+def _fr_log_x(mu1: Tensor, s1: Tensor, mu2: Tensor, s2: Tensor) -> Tensor:
+    """:func:`fisher_rao_univariate`'s ``log x = log a + log(a + b) - log 4 - log s1 - log s2`` with ``a = sqrt(num)``
+    and ``b = sqrt(den)`` as ``hypot``: no overflow of ``dm^2`` or ``num * den``, no underflow of ``4 s1 s2``."""
+    a = torch.hypot(mu2 - mu1, _SQRT2 * (s2 - s1))
+    b = torch.hypot(mu2 - mu1, _SQRT2 * (s2 + s1))
+    return torch.log(a) + torch.log(a + b) - math.log(4.0) - torch.log(s1) - torch.log(s2)
 
 
 # ==================================================================================================

@@ -23,8 +23,10 @@ The log-normaliser ``A(eta)`` includes the ``d/2 log(2 pi)`` of the base measure
 log|Lambda| - d/2 log(2 pi)`` and ``d/2 (1 + log(2 pi)) - 1/2 log|Lambda|``): the two terms of the identities
 are ``O(mu^T Lambda mu)`` and cancel catastrophically in float32 (an entropy that drifted with the mean).
 
-Proper means: finite natural parameters, a positive-definite precision, and a finite covariance in the
-factor's dtype (a subnormal precision is positive but its variance overflows).  The mean is not part of the
+Proper means: finite natural parameters, a positive-definite precision, and no variance that overflows the
+factor's dtype (a subnormal precision is positive but its variance overflows): checked exactly for the mean-field
+family, and for the full-covariance family through the precision's Cholesky diagonal (``1 / L_ii^2`` finite, O(d);
+:meth:`FullCovarianceGaussian.covariance` checks the inverse it forms).  The mean is not part of the
 test: a proper factor's mean may still overflow (``eta1 = 1e30`` with precision ``1e-10`` in float32), which
 the consumers that need it finite refuse with :class:`~common.errors.NonFiniteError`.
 """

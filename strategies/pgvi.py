@@ -550,7 +550,7 @@ class PGVIStrategy(Strategy):
 
     def _usable_clients(self, grid: Grid) -> set[str]:
         """The ids of the connected, identified, not excluded clients (no identity query is sent)."""
-        return {c for n in grid.get_node_ids() if (c := self.node_client.get(n)) is not None and not self._excluded(c)}
+        return {self.node_client[n] for n in self._usable(grid.get_node_ids())}
 
     def _progress_failure(self, rnd: int, stats: RoundStats, grid: Grid) -> str | None:
         """Synchronous and sequential: why the run must stop after round ``rnd`` (:class:`AllClientsFailed`), else
@@ -565,12 +565,12 @@ class PGVIStrategy(Strategy):
         if not self._all_failed(stats):
             return None
         clients = self._usable_clients(grid)
-        if clients and not clients <= self._failing:
+        every_latest = self._every_latest_failed(rnd, clients)
+        if clients and every_latest is None:
             return None
         if not clients or stats.sent >= len(clients):  # the round itself tried every client
             return f"round {rnd}: all {stats.sent} client messages failed (last reason: {self._last_failure})"
-        return (f"round {rnd}: the latest message of every client ({', '.join(sorted(clients))}) failed and no "
-                f"update was applied since (last reason: {self._last_failure})")
+        return every_latest
 
     def _note_outcome(self, node: int, failed: bool, applied: bool = False) -> None:
         """Remember whether the latest message to ``node``'s client failed, for :meth:`_check_async_progress` and
@@ -590,11 +590,18 @@ class PGVIStrategy(Strategy):
         failed and no update was applied since.  A round's counts cannot tell: a round is one outcome per usable
         client, so a client that fails at once fills it alone while a slower, healthy client's update is on its way
         (and a failing client keeps its old site; the run goes on)."""
-        if clients and clients <= self._failing:
-            raise AllClientsFailed(
-                f"round {rnd}: the latest message of every client ({', '.join(sorted(clients))}) failed and no "
-                f"update was applied since (last reason: {self._last_failure})"
-            )
+        failure = self._every_latest_failed(rnd, clients)
+        if failure is not None:
+            raise AllClientsFailed(failure)
+
+    def _every_latest_failed(self, rnd: int, clients: set[str]) -> str | None:
+        """Why the run cannot make progress if the latest message of every one of ``clients`` (non-empty) failed
+        and no update was applied since (:meth:`_note_outcome`), else ``None``; the rule of
+        :meth:`_check_async_progress` and :meth:`_progress_failure`."""
+        if not (clients and clients <= self._failing):
+            return None
+        return (f"round {rnd}: the latest message of every client ({', '.join(sorted(clients))}) failed and no "
+                f"update was applied since (last reason: {self._last_failure})")
 
     def _note_stale(self, rnd: int, client_id: str, staleness: int, bound: int) -> None:
         """Asynchronous: count a stale rejection of ``client_id``'s update; when :data:`STALE_STREAK_WARN` of its
@@ -899,8 +906,11 @@ class PGVIStrategy(Strategy):
     def _known_nodes(self, grid: Grid) -> list[int]:
         nodes = list(grid.get_node_ids())
         self._discover(grid, nodes)
-        usable = (n for n in nodes if n in self.node_client and not self._excluded(self.node_client[n]))
-        return sorted(usable, key=lambda n: self.node_client[n])
+        return sorted(self._usable(nodes), key=lambda n: self.node_client[n])
+
+    def _usable(self, nodes: Iterable[int]) -> list[int]:
+        """Of ``nodes``, the identified ones whose client is not excluded."""
+        return [n for n in nodes if n in self.node_client and not self._excluded(self.node_client[n])]
 
     def _sample_nodes(self, grid: Grid, fraction: float | None = None) -> list[int]:
         nodes = self._known_nodes(grid)
