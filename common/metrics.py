@@ -124,8 +124,10 @@ def negative_log_likelihood_from_log_probs(log_probs: np.ndarray, y: np.ndarray)
 def _bin_sums(p: np.ndarray, labels: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     conf = p.max(axis=1)
     correct = (np.argmax(p, axis=1) == labels).astype(np.float64)
-    # bin b holds (b/B, (b+1)/B]: index ceil(conf * B) - 1, clipped to [0, B-1]
-    idx = np.clip(np.ceil(conf * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
+    # bin b holds (b/B, (b+1)/B] with the edges reliability_bins reports (np.arange(B + 1) / B); searching those
+    # edges, not ceil(conf * B) - 1, keeps a confidence one ulp above an edge out of the bin below it
+    edges = np.arange(num_bins + 1) / num_bins
+    idx = np.clip(np.searchsorted(edges, conf, side="left") - 1, 0, num_bins - 1)
     count = np.bincount(idx, minlength=num_bins).astype(np.float64)
     return count, np.bincount(idx, weights=conf, minlength=num_bins), np.bincount(idx, weights=correct,
                                                                                   minlength=num_bins)

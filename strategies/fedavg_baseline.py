@@ -7,7 +7,6 @@ layout as :mod:`strategies.results`, so the experiment runner treats both method
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +26,7 @@ from common.deterministic_mlp import DeterministicMLP, predict_log_probs
 from common.metrics import classification_metrics_from_log_probs
 from common.problem import ArraysSplit
 from strategies.pgvi import AllClientsFailed, _last_line
-from strategies.results import RoundRecorder
+from strategies.results import RoundRecorder, dumps_json
 
 
 class OrderedFedAvg(FedAvg):
@@ -164,7 +163,7 @@ def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Pat
     recorder.write_csv()
     summary = {"method": "fedavg", "wall-seconds": time.time() - t0, "final": history[-1] if history else {},
                "train-metrics": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()}}
-    text = json.dumps(summary, indent=2, default=str).encode()
+    text = dumps_json(summary, indent=2, default=str).encode()
     atomic_write(out / "summary.json", lambda f: f.write(text), mode=0o644)
     log(INFO, "FedAvg records written to %s", out)
     return history

@@ -215,7 +215,7 @@ def _bin_sums_consistent(bin_values: dict[str, float | None], n: float) -> bool:
     per_bin: dict[str, dict[str, float]] = {}
     for k, v in bin_values.items():
         m = _BIN_KEY.fullmatch(k)
-        if m is None or v is None or not v >= 0:
+        if m is None or v is None or not (v >= 0 and math.isfinite(v)):
             return False
         per_bin.setdefault(m.group(1), {})[m.group(2)] = v
     if not per_bin:
@@ -227,14 +227,25 @@ def _bin_sums_consistent(bin_values: dict[str, float | None], n: float) -> bool:
     return abs(sum(b["count"] for b in per_bin.values()) - n) <= tol
 
 
-def _pool_client_metrics(totals: dict[str, float], n_total: float, bins: dict[str, float],
-                         all_binned: bool) -> dict[str, float]:
-    """Metrics of all clients' test points together: means over points are example-weighted means; the RMSE
-    is the root of the pooled mean square; the ECE comes from the summed per-bin sums when every client sent
-    them (the example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean.
-    Counts (``num_points`` of common.metrics) are not means: weighted by n they gave sum(n^2)/sum(n); the pooled
-    count is ``client-num-examples``."""
-    out = {f"client-{k}": v / n_total for k, v in totals.items() if k not in ("num_points", "num-points")}
+def _metric_number(value: object) -> float | None:
+    """A client metric as a float: a real number including +-inf (an infinite NLL is a measurement: the pooled
+    NLL of all points is then infinite too), ``None`` for NaN or anything that is not a real number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    x = float(value)
+    return None if math.isnan(x) else x
+
+
+def _pool_client_metrics(totals: dict[str, float], weights: dict[str, float], n_total: float,
+                         bins: dict[str, float], all_binned: bool) -> dict[str, float]:
+    """Metrics of all clients' test points together: means over points are example-weighted means over the
+    clients that reported that metric (``weights[k]``: their examples; a client without the key, e.g. a regression
+    client beside classifiers, or with a NaN, adds neither to the sum nor to the weight); the RMSE is the root of the
+    pooled mean square; the ECE comes from the summed per-bin sums when every client sent them (the
+    example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean.  Counts
+    (``num_points`` of common.metrics) are not means: weighted by n they gave sum(n^2)/sum(n); the pooled count is
+    ``client-num-examples`` (the examples of every reply taken)."""
+    out = {f"client-{k}": v / weights[k] for k, v in totals.items() if k not in ("num_points", "num-points")}
     if "client-rmse" in out:
         out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
     if "ece" in totals and all_binned and bins:
@@ -334,6 +345,7 @@ class PGVIStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         totals: dict[str, float] = {}  # sum over replies of num-examples x metric
+        weights: dict[str, float] = {}  # sum of num-examples over the replies that sent that metric
         bins: dict[str, float] = {}  # sum over replies of the ECE's per-bin sums
         all_binned = True  # every reply with an ECE also sent its bin sums
         n_total = 0.0
@@ -343,7 +355,7 @@ class PGVIStrategy(Strategy):
             try:  # a malformed reply is skipped, never allowed to crash the server
                 m = dict(msg.content[P.METRICS])
                 n = _finite_number(m.get("num-examples", 0.0))
-                values = {k: _finite_number(v) for k, v in m.items() if k != "num-examples"}
+                values = {k: _metric_number(v) for k, v in m.items() if k != "num-examples"}
             except Exception as err:
                 log(WARNING, "round %d: evaluate reply from node %d skipped: %s", server_round,
                     msg.metadata.src_node_id, f"{type(err).__name__}: {err}")
@@ -363,12 +375,18 @@ class PGVIStrategy(Strategy):
                 all_binned = False
             for k, v in bin_values.items():  # all finite (checked above)
                 bins[k] = bins.get(k, 0.0) + v
+            dropped = sorted(k for k, v in values.items() if v is None)
+            if dropped:
+                log(WARNING, "round %d: evaluate reply from node %d: %s not a real number (NaN or not numeric), "
+                    "left out of the pooled client metrics", server_round, msg.metadata.src_node_id,
+                    ", ".join(repr(k) for k in dropped))
             for k, v in values.items():
                 if v is not None and k not in bin_values:
                     totals[k] = totals.get(k, 0.0) + n * (v * v if k == "rmse" else v)
+                    weights[k] = weights.get(k, 0.0) + n
         if n_total == 0:
             return None
-        return MetricRecord(_pool_client_metrics(totals, n_total, bins, all_binned))
+        return MetricRecord(_pool_client_metrics(totals, weights, n_total, bins, all_binned))
 
     # =============================================================================================
     # running the schedules

@@ -25,6 +25,10 @@ _TABLE_COLUMNS = [
     ("test-brier", "brier", "{:>7.4f}"),
     ("test-rmse", "rmse", "{:>7.4f}"),
     ("client-accuracy", "cli acc", "{:>7.4f}"),
+    ("client-nll", "cli nll", "{:>7.4f}"),
+    ("client-ece", "cli ece", "{:>7.4f}"),
+    ("client-brier", "cli brier", "{:>9.4f}"),
+    ("client-rmse", "cli rmse", "{:>8.4f}"),
     ("client-seconds-max", "cli s", "{:>6.2f}"),
     ("round-seconds", "round s", "{:>7.2f}"),
 ]
@@ -34,6 +38,24 @@ _TABLE_COLUMNS = [
 # scripts/experiments.py, from the final model).  ``summary.json`` first: its presence means the others are complete.
 # The checkpoint (strategies/checkpoint.py) is not one of them: a run may resume from its own directory.
 RESULT_FILES = ("summary.json", "metrics.csv", "posterior.npz", "sites.npz", "model.npz", "rescored.json")
+
+
+def json_safe(value: object) -> object:
+    """``value`` with every non-finite float (in dicts, lists and tuples) replaced by ``None``: ``json.dumps``
+    would write the bare tokens ``NaN`` / ``Infinity``, which are not JSON (jq, browsers and most parsers other
+    than Python's refuse the file).  ``metrics.csv`` and the log keep ``inf`` / ``nan``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps_json(value: object, **kw: object) -> str:
+    """Strict JSON of ``value`` (non-finite floats as ``null``, see :func:`json_safe`)."""
+    return json.dumps(json_safe(value), allow_nan=False, **kw)
 
 
 class RoundRecorder:
@@ -48,7 +70,7 @@ class RoundRecorder:
         for name in RESULT_FILES:
             (self.out_dir / name).unlink(missing_ok=True)
         self.rows: list[dict[str, float]] = []
-        text = json.dumps(run_config, indent=2, sort_keys=True).encode()
+        text = dumps_json(run_config, indent=2, sort_keys=True).encode()
         atomic_write(self.out_dir / "run_config.json", lambda f: f.write(text), mode=0o644)
         self._jsonl = self.out_dir / "metrics.jsonl"
         self._jsonl.write_text("")
@@ -60,7 +82,8 @@ class RoundRecorder:
     def record(self, rnd: int, row: dict[str, float]) -> None:
         self.rows.append(dict(row))
         with self._jsonl.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(dumps_json(row) + "\n")
+        self.write_csv()  # every round: a run that stops early (e.g. AllClientsFailed) still leaves its table
         cols = self._columns(row)
         if cols != self._columns_shown:
             log(INFO, "PGVI | " + " ".join(f"{h:>{len(fmt.format(0.0))}}" for _, h, fmt in cols))
@@ -79,7 +102,7 @@ class RoundRecorder:
         atomic_write(self.out_dir / "posterior.npz", lambda f: np.savez(f, **arrays), mode=0o644)
         ledger = {f"{cid}|{k}": v for cid, s in sites.items() for k, v in s.to_numpy().items()}
         atomic_write(self.out_dir / "sites.npz", lambda f: np.savez(f, **ledger), mode=0o644)
-        text = json.dumps(extra, indent=2, default=str).encode()
+        text = dumps_json(extra, indent=2, default=str).encode()
         atomic_write(self.out_dir / "summary.json", lambda f: f.write(text), mode=0o644)
 
     def write_csv(self) -> None:

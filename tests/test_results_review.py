@@ -1,0 +1,118 @@
+"""Evaluation records (from a review; each test fails on the code before the fix).
+
+* Pooled client metrics divide each metric by the examples of the clients that reported it: one shared
+  denominator made an infinite NLL pull the pooled NLL *down* (0.3 and inf -> 0.15) and a missing key halve it.
+* ``metrics.jsonl`` / ``summary.json`` are strict JSON (non-finite values as ``null``): Python wrote ``Infinity``.
+* The log table shows the pooled client NLL, ECE and Brier, not only the client accuracy.
+* ``metrics.csv`` exists after every round, so a run that stops early still leaves its table.
+* A confidence one ulp above a bin edge goes to the bin ``reliability_bins`` says it is in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+from flwr.app import MetricRecord
+
+from common import protocol as P
+from common.config import parse_run_config
+from common.metrics import calibration_bin_sums, reliability_bins
+from common.problem import build_problem
+from strategies.pgvi import PGVIStrategy
+from strategies.results import RoundRecorder, dumps_json
+
+
+class _EvalReply:
+    def __init__(self, metrics: dict, node: int) -> None:
+        self.content = {P.METRICS: MetricRecord(metrics)}
+        self.metadata = type("Meta", (), {"src_node_id": node})()
+
+    def has_error(self) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def strategy() -> PGVIStrategy:
+    return PGVIStrategy(build_problem(parse_run_config({})))
+
+
+def test_an_infinite_client_nll_makes_the_pooled_nll_infinite_not_smaller(strategy):
+    replies = [_EvalReply({"num-examples": 100.0, "nll": 0.3, "accuracy": 0.9}, 0),
+               _EvalReply({"num-examples": 100.0, "nll": math.inf, "accuracy": 0.7}, 1)]
+    out = dict(strategy.aggregate_evaluate(1, replies))
+    assert out["client-nll"] == math.inf
+    assert out["client-accuracy"] == pytest.approx(0.8)
+    assert out["client-num-examples"] == 200.0
+
+
+def test_a_metric_missing_from_a_reply_is_the_mean_over_the_clients_that_sent_it(strategy):
+    replies = [_EvalReply({"num-examples": 100.0, "brier": 0.2, "accuracy": 0.9}, 0),
+               _EvalReply({"num-examples": 300.0, "accuracy": 0.5}, 1)]
+    out = dict(strategy.aggregate_evaluate(1, replies))
+    assert out["client-brier"] == pytest.approx(0.2)
+    assert out["client-accuracy"] == pytest.approx((90 + 150) / 400)
+    # a classifier beside a regression client: each metric over its own clients' points
+    mixed = [_EvalReply({"num-examples": 100.0, "accuracy": 0.9}, 0), _EvalReply({"num-examples": 300.0, "rmse": 2.0}, 1)]
+    out = dict(strategy.aggregate_evaluate(1, mixed))
+    assert out["client-accuracy"] == pytest.approx(0.9)
+    assert out["client-rmse"] == pytest.approx(2.0)
+    assert out["client-num-examples"] == 400.0
+
+
+def test_a_nan_metric_is_left_out_of_its_mean_with_a_warning(strategy, caplog):
+    replies = [_EvalReply({"num-examples": 100.0, "nll": 0.3}, 0), _EvalReply({"num-examples": 100.0, "nll": math.nan}, 7)]
+    with caplog.at_level(logging.WARNING):
+        out = dict(strategy.aggregate_evaluate(1, replies))
+    assert out["client-nll"] == pytest.approx(0.3)
+    assert "node 7" in caplog.text and "'nll'" in caplog.text
+
+
+def test_infinite_bin_sums_still_skip_the_reply(strategy):
+    good = {"num-examples": 10.0, "ece": 0.1, "ece-bin-13-count": 10.0, "ece-bin-13-conf": 9.0, "ece-bin-13-correct": 8.0}
+    bad = {**good, "ece-bin-13-count": math.inf}
+    out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply(bad, 1)]))
+    assert out["client-num-examples"] == 10.0
+    assert out["client-ece"] == pytest.approx(0.1)
+
+
+def _strict_load(text: str) -> object:
+    def refuse(token: str) -> object:
+        raise ValueError(f"non-standard JSON constant {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_result_files_are_strict_json_and_the_csv_is_written_every_round(tmp_path):
+    rec = RoundRecorder(tmp_path, {"seed": 0, "bad": math.nan})
+    rec.record(0, {"round": 0, "test-nll": math.inf, "test-accuracy": 0.5})
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == ["round,test-accuracy,test-nll", "0,0.5,inf"]
+    rec.record(1, {"round": 1, "test-nll": math.nan, "test-accuracy": np.float64(0.75)})
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[2] == "1,0.75,nan"
+    rows = [_strict_load(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"round": 0, "test-nll": None, "test-accuracy": 0.5},
+                    {"round": 1, "test-nll": None, "test-accuracy": 0.75}]
+    assert _strict_load((tmp_path / "run_config.json").read_text()) == {"bad": None, "seed": 0}
+    assert _strict_load(dumps_json({"final": rec.rows[-1], "list": [1.0, -math.inf]})) == {
+        "final": {"round": 1, "test-nll": None, "test-accuracy": 0.75}, "list": [1.0, None]}
+
+
+def test_the_log_table_shows_the_pooled_client_metrics(tmp_path, caplog):
+    rec = RoundRecorder(tmp_path, {})
+    row = {"round": 1, "client-accuracy": 0.91, "client-nll": 0.3456, "client-ece": 0.0789, "client-brier": 0.1234}
+    with caplog.at_level(logging.INFO):
+        rec.record(1, row)
+    assert "cli nll" in caplog.text and "cli ece" in caplog.text and "cli brier" in caplog.text
+    assert "0.3456" in caplog.text and "0.0789" in caplog.text and "0.1234" in caplog.text
+
+
+def test_a_confidence_one_ulp_above_an_edge_is_in_the_bin_above_it():
+    edges = np.arange(16) / 15
+    for k in range(8, 15):  # binary top-label confidences are >= 1/2
+        for c in (np.nextafter(edges[k], 2.0), edges[k], np.nextafter(edges[k], 0.0)):
+            p, y = np.array([[1.0 - c, c]]), np.array([1])
+            b = int(np.argmax(calibration_bin_sums(p, y)[0]))
+            rb = reliability_bins(p, y)
+            assert rb["lower"][b] < c <= rb["upper"][b], (k, c, b)
