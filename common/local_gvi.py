@@ -28,8 +28,11 @@ Early stopping: after every epoch the objective is evaluated at the current stat
 fixed order with a fresh generator seeded from ``seed``, i.e. common random numbers, so that two states are
 compared under the same noise and the value is a deterministic function of the state).  With
 ``"running"`` the epoch's value is the mean of its minibatch objectives (cheaper, as in the reference
-code; the initial state is then not evaluated).  The best state (with ``"end_of_epoch"`` the initial
-state included, as epoch 0) is kept; the run stops when the objective
+code: no pass over the data besides training).  Each step measures its objective before its update, so that
+value is credited to the state before the epoch's last step: with one step an epoch (full batch) exactly the
+state it was measured at, the epoch's starting state (crediting it to the end-of-epoch state returned a state
+one step past the best measured one).  The best state (with ``"end_of_epoch"`` the initial state included, as
+epoch 0; with ``"running"`` and full batch too) is kept; the run stops when the objective
 has not improved by more than ``min_delta`` for ``patience`` epochs, and the best state is restored.  For a
 deterministic objective the best state is then polished with L-BFGS (strong Wolfe) when ``polish`` is set;
 the polished state is kept only if its objective is lower.
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +61,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
+from common.errors import (DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError,
+                           ShapeMismatchError)
 from common.explicit_step import OneHiddenLayerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common import fused_meanfield
@@ -133,7 +138,7 @@ class LocalGVIConfig:
             return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
         def positive_finite(name: str, v: Any) -> None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"LocalGVIConfig.{name} must be a finite number > 0, got {v!r}")
 
         if not is_int(self.epochs) or self.epochs < 1:
@@ -147,7 +152,7 @@ class LocalGVIConfig:
             raise ValueError(f"LocalGVIConfig.n_samples must be an integer >= 1, got {self.n_samples!r}")
         if self.patience is not None and (not is_int(self.patience) or self.patience < 1):
             raise ValueError(f"LocalGVIConfig.patience must be None or an integer >= 1, got {self.patience!r}")
-        if (isinstance(self.min_delta, bool) or not isinstance(self.min_delta, (int, float))
+        if (isinstance(self.min_delta, bool) or not isinstance(self.min_delta, numbers.Real)
                 or not math.isfinite(self.min_delta) or self.min_delta < 0):
             raise ValueError(f"LocalGVIConfig.min_delta must be a finite number >= 0, got {self.min_delta!r}")
         if not is_int(self.seed):
@@ -172,7 +177,7 @@ class LocalGVIConfig:
         positive_finite("polish_tolerance_grad", self.polish_tolerance_grad)
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"LocalGVIConfig.dtype must be None, torch.float32 or torch.float64, got {self.dtype!r}")
-        if (isinstance(self.min_scale, bool) or not isinstance(self.min_scale, (int, float))
+        if (isinstance(self.min_scale, bool) or not isinstance(self.min_scale, numbers.Real)
                 or not math.isfinite(self.min_scale) or self.min_scale < 0):
             raise ValueError(f"LocalGVIConfig.min_scale must be a finite number >= 0, got {self.min_scale!r}")
 
@@ -185,7 +190,9 @@ class LocalGVIResult:
         posterior: the local posterior ``q_m`` (same family, layout and dtype as the cavity; proper).
         objective_trace: the objective after each epoch (see ``LocalGVIConfig.objective_estimate``).
         epochs_run: epochs actually run (early stopping may end before ``config.epochs``).
-        best_epoch: the epoch whose state was returned (0 = the initial state), before any polish.
+        best_epoch: the epoch whose state was returned (0 = the initial state), before any polish: the state
+            after that many epochs; with ``"running"`` and several steps an epoch, the state before the last
+            step of epoch ``best_epoch`` (see the module docstring).
         wall_time_s: wall-clock seconds of the whole call.
         n_examples: number of local examples ``n``.
         initial_objective: the objective at the initial state (NaN with ``objective_estimate="running"``,
@@ -217,6 +224,29 @@ def _check_finite_input(t: Tensor | None, what: str) -> None:
     if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         bad = int((~torch.isfinite(t)).sum())
         raise NonFiniteError(f"local_gvi: {what} has {bad} non-finite entries")
+
+
+def _layout(factor: GaussianFactor) -> dict[str, tuple[int, ...]]:
+    """The parameter tensors a factor is over: ``{name: shape}`` (a full-covariance factor: one vector)."""
+    if isinstance(factor, FullCovarianceGaussian):
+        return {factor.name: (factor.dim,)}
+    return dict(factor.shapes)
+
+
+def _check_layouts(model: Any, cavity: GaussianFactor, init: GaussianFactor | None) -> None:
+    """The cavity, ``init`` and the model are over the same named tensors of the same shapes, else a
+    :class:`ShapeMismatchError` naming both layouts (without it a mismatch surfaced as a raw matmul error or a
+    ``KeyError`` deep in the objective, depending on the path)."""
+    cav = _layout(cavity)
+    if init is not None:
+        if type(init) is not type(cavity):
+            raise TypeError(f"local_gvi: init is a {type(init).__name__}, the cavity a {type(cavity).__name__}")
+        if _layout(init) != cav:
+            raise ShapeMismatchError(f"local_gvi: init is over {_layout(init)}, the cavity over {cav}")
+    shapes = getattr(model, "param_shapes", None)
+    if shapes is not None and {k: tuple(v) for k, v in shapes.items()} != cav:
+        raise ShapeMismatchError(f"local_gvi: the model {getattr(model, 'name', type(model).__name__)!r} has "
+                                 f"parameters {dict(shapes)}, the cavity is over {cav}")
 
 
 def _rows(t: Tensor, idx: Tensor | slice) -> Tensor:
@@ -574,11 +604,11 @@ def local_gvi(
     if config.init == "posterior":
         if init is None:
             raise ValueError('local_gvi: init="posterior" needs the initial distribution (argument init)')
-        if type(init) is not type(cavity):
-            raise TypeError(f"local_gvi: init is a {type(init).__name__}, the cavity a {type(cavity).__name__}")
+        _check_layouts(model, cavity, init)
         init.check_proper("initial local posterior")
         start = init
     else:
+        _check_layouts(model, cavity, None)
         start = cavity
     if x is None:  # models that ignore x (gaussian_location): a (n, 0) placeholder
         x = torch.zeros((int(y.shape[0]), 0), dtype=y.dtype if torch.is_floating_point(y) else cavity.dtype)
@@ -605,7 +635,10 @@ def local_gvi(
     explicit = (OneHiddenLayerStep.create(model, loss, q, obj.fast_divergence, obj.x, obj.y, config.n_samples,
                                           optimiser) if obj.path == "mc_local_reparam" else None)
     running_mode = config.objective_estimate == "running"
-    # "running": no extra pass over the data; the initial state is not a candidate (its value is unknown)
+    # "running": no extra pass over the data.  An epoch's value is the mean of the objectives its steps measured,
+    # each before its update, so the state it is credited to is the one before the epoch's last step (with one
+    # step an epoch, exactly the state that value was measured at; the end-of-epoch state is only measured by
+    # the next epoch).  The initial state is thus a candidate with one step an epoch.
     initial = float("nan") if running_mode else obj.evaluate(q)
     best_value, best_state, best_epoch = (math.inf if running_mode else initial), q.snapshot(), 0
     ref_value, wait = best_value, 0
@@ -619,7 +652,10 @@ def local_gvi(
         else:
             perm = torch.randperm(n, generator=gen)
             batches = [perm[s:s + bsz] for s in range(0, n, bsz)]
+        last_step = len(batches) - 1
         for step, idx in enumerate(batches):
+            if running_mode and step == last_step:
+                measured_state = q.snapshot()
             if explicit is not None:  # the whole step, the optimiser's update included
                 explicit(idx, gen, lambda e, d: running.append(_finite_float(e, d, f"epoch {epoch}, step {step}")))
                 continue
@@ -641,7 +677,8 @@ def local_gvi(
         value = obj.evaluate(q) if config.objective_estimate == "end_of_epoch" else float(np.mean(running))
         trace.append(value)
         if value < best_value:
-            best_value, best_state, best_epoch = value, q.snapshot(), epoch
+            best_value, best_state = value, (measured_state if running_mode else q.snapshot())
+            best_epoch = epoch - 1 if (running_mode and last_step == 0) else epoch
         if value < ref_value - config.min_delta:
             ref_value, wait = value, 0
         else:
