@@ -13,7 +13,8 @@ Node config keys: ``partition-id`` (int), ``client-id`` (stable id, default ``si
 ``state-dir`` (durable client state; default: kept in the SuperNode's memory for the run),
 ``torch-threads`` (default 1), ``batch-size`` (overrides the run config's, for small devices),
 ``compute-worker`` (path of the node's warm worker socket; default: compute in the ClientApp process),
-``compute-worker-timeout-s`` (how long to wait for the worker's result, default 3600; a positive number).
+``compute-worker-timeout-s`` (how long to wait for the worker's result, default 3600; a positive number of
+seconds, at most 30 days: more is surely a typo, and past ~24.8 days one ``poll`` of the socket overflows).
 If the worker is unreachable, fails the handshake, or sends no result within that timeout (it is then
 presumably hung), the ClientApp logs a warning and computes the message in its own process.
 
@@ -86,7 +87,10 @@ def _fault_mode(context: Context, server_round: int) -> str:
 
 
 def _worker_timeout(node_config: Mapping) -> float:
-    """Node config ``compute-worker-timeout-s``: seconds to wait for the warm worker's result (default 3600)."""
+    """Node config ``compute-worker-timeout-s``: seconds to wait for the warm worker's result (default 3600).
+
+    At most :data:`client.warm_worker.MAX_RESULT_TIMEOUT_S` (30 days): a larger value used to reach the socket
+    layer and fail every message with an ``OverflowError``; it is refused here, in the query before round 1."""
     raw = node_config.get(WORKER_TIMEOUT_KEY)
     if raw is None:
         return warm_worker.RESULT_TIMEOUT_S
@@ -94,8 +98,9 @@ def _worker_timeout(node_config: Mapping) -> float:
         value = float("nan") if isinstance(raw, bool) else float(raw)
     except (TypeError, ValueError):
         value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"node config {WORKER_TIMEOUT_KEY} must be a positive number of seconds, got {raw!r}")
+    if not (math.isfinite(value) and 0 < value <= warm_worker.MAX_RESULT_TIMEOUT_S):
+        raise ValueError(f"node config {WORKER_TIMEOUT_KEY} must be a positive number of seconds at most "
+                         f"{warm_worker.MAX_RESULT_TIMEOUT_S:.0f} (30 days), got {raw!r}")
     return value
 
 

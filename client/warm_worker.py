@@ -25,8 +25,11 @@ pickled only after that handshake.
 Timeouts: the handshake must complete within ``HANDSHAKE_TIMEOUT_S`` (10 s) on both sides: a ClientApp
 whose worker does not answer gets :class:`WorkerUnavailable`, and a peer that connects but stalls cannot
 block the worker (it is dropped, logged, and the worker keeps serving; ``--handshake-timeout-s`` changes
-the worker's bound).  The ClientApp then waits for the result at most ``compute-worker-timeout-s`` (node
-config, default 3600 s) and raises :class:`WorkerTimeout` after that.
+the worker's bound, at most ``MAX_HANDSHAKE_TIMEOUT_S``, 3600 s).  The ClientApp then waits for the result
+at most ``compute-worker-timeout-s`` (node config, default 3600 s, at most ``MAX_RESULT_TIMEOUT_S``, 30 days)
+and raises :class:`WorkerTimeout` after that.  The caps keep the values within what the socket layer takes
+(``settimeout`` and ``poll`` raise ``OverflowError`` on huge ones); :func:`call` waits for a result in slices
+``poll`` can take, and turns an ``OverflowError`` from the socket layer into :class:`WorkerUnavailable`.
 
 Requests are served one at a time (a node has one message in flight).  A ClientApp that disappears
 mid-request (Flower stopped it) costs the computation, not the worker; a ClientApp that connects while the
@@ -36,15 +39,19 @@ If the worker cannot be reached, times out, dies mid-request (crash, OOM kill, S
 cannot read the request, the ClientApp gets a :class:`WorkerUnavailable`, logs a warning and computes in its
 own process (``client/app.py``).
 
-One worker per socket path: a worker refuses to start while another answers on the path (a socket file
-nobody listens on, left by a killed worker, is replaced), and a stopping worker removes the socket and key
-only if they are still its own, so it cannot take the path from under a successor.
+One worker per socket path: a worker holds an exclusive ``flock`` on ``<socket>.lock`` (:class:`SocketLock`)
+from before it looks at the path until it has cleaned up, so of two workers started together only one gets
+past it (the other exits with :class:`WorkerAlreadyRunning`).  Under the lock it refuses to start while a
+worker without the lock answers on the path (a socket file nobody listens on, left by a killed worker, is
+replaced), and a stopping worker removes the socket and key only if they are still its own, so it cannot take
+the path from under a successor.  The kernel drops a killed worker's lock; its lock file blocks nobody.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import os
 import secrets
 import signal
@@ -59,8 +66,15 @@ from multiprocessing.reduction import ForkingPickler  # what Connection.send/rec
 from pathlib import Path
 
 KEY_SUFFIX = ".key"
+LOCK_SUFFIX = ".lock"
 HANDSHAKE_TIMEOUT_S = 10.0  # connect + HMAC challenge, each side
 RESULT_TIMEOUT_S = 3600.0  # default of the node config key compute-worker-timeout-s (client/app.py)
+# Upper bounds of the two settings.  settimeout() overflows past ~292 years and poll() past ~24.8 days (its
+# milliseconds are a C int); call() waits in slices of at most _POLL_SLICE_S, so 30 days is fine.  Values this
+# large are typos, and refusing them with the limit in the message beats an OverflowError in round 1.
+MAX_HANDSHAKE_TIMEOUT_S = 3600.0  # --handshake-timeout-s; it also bounds the wait for the request
+MAX_RESULT_TIMEOUT_S = 30 * 86400.0  # node config compute-worker-timeout-s (client/app.py)
+_POLL_SLICE_S = 86400.0
 
 
 class WorkerUnavailable(ConnectionError):
@@ -107,6 +121,10 @@ def _describe(err: BaseException) -> str:
 
 def key_path(socket_path: str | os.PathLike) -> Path:
     return Path(str(socket_path) + KEY_SUFFIX)
+
+
+def lock_path(socket_path: str | os.PathLike) -> Path:
+    return Path(str(socket_path) + LOCK_SUFFIX)
 
 
 class _HandshakeChannel:
@@ -167,7 +185,7 @@ def _handshake(sock: socket.socket, authkey: bytes, deadline: float, *, server: 
 def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
     """Kernel send/receive timeouts (SO_SNDTIMEO/SO_RCVTIMEO) on a blocking socket: a read or write that makes
     no progress for ``seconds`` fails with ``BlockingIOError`` (a blocking ``connect`` with ``EAGAIN``)."""
-    sec = min(int(seconds), 2**31 - 1)
+    sec = int(min(seconds, 2**31 - 1))  # min first: int(inf) would raise
     usec = min(int((seconds - int(seconds)) * 1e6), 999_999) if sec < 2**31 - 1 else 0
     tv = struct.pack("@ll", sec, usec)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
@@ -182,6 +200,17 @@ def _connection(sock: socket.socket, io_timeout: float) -> Connection:
     return Connection(sock.detach())
 
 
+def _wait_for_reply(conn: Connection, deadline: float) -> bool:
+    """``conn.poll`` until data arrives (True) or ``deadline`` passes (False), in slices of at most
+    ``_POLL_SLICE_S``: ``poll`` takes its timeout in milliseconds as a C int and raises ``OverflowError`` past
+    ~24.8 days, less than the ``MAX_RESULT_TIMEOUT_S`` the node config allows."""
+    while True:
+        if conn.poll(max(0.0, min(deadline - time.monotonic(), _POLL_SLICE_S))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
 def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RESULT_TIMEOUT_S,
          handshake_timeout: float | None = None) -> object:
     """Send one request to the worker at ``socket_path`` and return its result (or raise what it raised).
@@ -191,7 +220,8 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
     :class:`WorkerTimeout` if no result arrives within ``timeout`` seconds of sending the request,
     :class:`WorkerLost` if the connection breaks first (the worker died), :class:`WorkerIncompatible` if the
     worker could not read the request or its reply cannot be read here.  A request that raised in the worker
-    raises :class:`WorkerError` (or the ``InjectedFault`` it was).
+    raises :class:`WorkerError` (or the ``InjectedFault`` it was).  A timeout the socket layer cannot take (an
+    ``OverflowError``) raises :class:`WorkerUnavailable` too, so the ClientApp falls back instead of failing.
     """
     hs = HANDSHAKE_TIMEOUT_S if handshake_timeout is None else float(handshake_timeout)
     try:
@@ -209,6 +239,10 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
         sock.close()
         raise WorkerUnavailable(f"compute worker at {socket_path} did not complete the handshake within "
                                 f"{hs:g} s (busy or hung?)") from err
+    except OverflowError as err:  # settimeout: a handshake timeout the socket layer cannot take
+        sock.close()
+        raise WorkerUnavailable(f"compute worker at {socket_path} not reachable: the socket layer refused the "
+                                f"handshake timeout of {hs:g} s ({_describe(err)})") from err
     except (OSError, EOFError) as err:  # no socket, connection refused, closed during the handshake
         sock.close()
         raise WorkerUnavailable(f"compute worker at {socket_path} not reachable: {err}") from err
@@ -222,7 +256,7 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
     with conn:
         try:
             conn.send(request)
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
+            if not _wait_for_reply(conn, deadline):
                 raise WorkerTimeout(f"compute worker at {socket_path} sent no result within {timeout:g} s "
                                     "(node config compute-worker-timeout-s)")
             data = conn.recv_bytes()
@@ -231,6 +265,10 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
         except BlockingIOError as err:  # SO_SNDTIMEO/SO_RCVTIMEO: the worker stopped reading or writing
             raise WorkerTimeout(f"compute worker at {socket_path} stalled for {timeout:g} s mid-transfer "
                                 "(node config compute-worker-timeout-s)") from err
+        except OverflowError as err:  # a wait the socket layer cannot take: fall back rather than fail the message
+            raise WorkerUnavailable(f"compute worker at {socket_path} took the request, but the ClientApp cannot "
+                                    f"wait {timeout:g} s for its result ({_describe(err)}; node config "
+                                    "compute-worker-timeout-s)") from err
         except (EOFError, OSError) as err:  # EOF, ECONNRESET, EPIPE: the worker process is gone
             raise WorkerLost(f"compute worker at {socket_path} closed the connection mid-request (it crashed, "
                              f"was killed or was stopped): {_describe(err)}") from err
@@ -347,6 +385,81 @@ def check_no_live_worker(socket_path: str | os.PathLike) -> bool:
                                "this worker a socket path of its own")
 
 
+class SocketLock:
+    """An exclusive ``flock`` on ``<socket>.lock``, held for a worker's whole life: one worker per socket path.
+
+    Why: a worker decides that a socket file is stale (nobody accepts on it) and then unlinks it; without a lock
+    around the two steps, a worker that found the file stale could unlink a second worker's fresh socket and bind
+    its own, leaving two workers running, one unreachable with torch and its data loaded.  The lock is taken
+    before the check and kept until the socket and key are removed on the way out.
+
+    The kernel drops an ``flock`` when its holder dies (SIGKILL, OOM kill), so a lock file left by a killed worker
+    blocks nobody.  :meth:`release` removes the file while still holding it, and :meth:`acquire` checks after
+    locking that the file it locked is still the one at the path (else it opens the path again): a worker that
+    opened the file just before its holder removed it cannot hold the removed file next to a successor that
+    created a new one.  The lock is per open file: a second :class:`SocketLock` on the path fails in the same
+    process too.
+    """
+
+    _ATTEMPTS = 10  # each retry means another worker released the path between our open and our flock
+
+    def __init__(self, socket_path: str | os.PathLike) -> None:
+        self.socket_path = Path(socket_path)
+        self.path = lock_path(socket_path)
+        self._fd: int | None = None
+        self._id: tuple[int, int] | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> SocketLock:
+        """Take the lock without waiting; raises :class:`WorkerAlreadyRunning` (naming the socket) if another
+        worker holds it, ``OSError`` if the lock file cannot be opened or locked.  Returns ``self``."""
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path} is already held by this SocketLock")
+        for _ in range(self._ATTEMPTS):
+            # O_NOFOLLOW: a symlink planted at the path cannot make us create or lock another file
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+            except BlockingIOError as err:  # EWOULDBLOCK: another worker holds it
+                os.close(fd)
+                self._refuse(err)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _file_id(self.path) == (st.st_dev, st.st_ino):
+                self._fd, self._id = fd, (st.st_dev, st.st_ino)
+                return self
+            os.close(fd)  # we locked a file its holder had just removed: lock the one at the path now
+        raise WorkerAlreadyRunning(f"the lock file {self.path} of the socket {self.socket_path} kept changing hands "
+                                   f"({self._ATTEMPTS} attempts): are workers being started on it in a loop?")
+
+    def _refuse(self, err: OSError) -> None:
+        check_no_live_worker(self.socket_path)  # a live worker: "already listening", the message operators know
+        raise WorkerAlreadyRunning(
+            f"another compute worker holds {self.path}: it is already starting or stopping on {self.socket_path} "
+            "(not yet or no longer listening); stop it first, or give this worker a socket path of its own") from err
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (while holding it: see the class doc), then unlock."""
+        if self._fd is None:
+            return
+        try:
+            _remove_if_ours(self.path, self._id)
+        finally:
+            os.close(self._fd)
+            self._fd = self._id = None
+
+    def __enter__(self) -> SocketLock:
+        return self if self.held else self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def _file_id(path: Path) -> tuple[int, int] | None:
     try:
         st = os.lstat(path)
@@ -377,20 +490,49 @@ def _remove_if_ours(path: Path, ours: tuple[int, int] | None, key: bytes | None 
     path.unlink(missing_ok=True)
 
 
+def check_handshake_timeout(seconds: float) -> float:
+    """``seconds`` as a float if it is a usable handshake timeout (``0 < seconds <= MAX_HANDSHAKE_TIMEOUT_S``),
+    else ``ValueError``: past the limit ``settimeout`` would refuse it and every connection with it."""
+    value = float(seconds)
+    if not 0 < value <= MAX_HANDSHAKE_TIMEOUT_S:
+        raise ValueError(f"handshake_timeout must be a positive number of seconds at most "
+                         f"{MAX_HANDSHAKE_TIMEOUT_S:g}, got {seconds!r}")
+    return value
+
+
 def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
-          handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> int:
+          handshake_timeout: float = HANDSHAKE_TIMEOUT_S, lock: SocketLock | None = None) -> int:
     """Listen on ``socket_path`` until SIGTERM/SIGINT (or ``max_requests``); returns the requests served.
 
-    A peer that does not complete the handshake within ``handshake_timeout`` seconds is dropped (and so is one
-    that then sends no request, or stops reading its reply, for that long); the worker keeps serving.
+    A peer that does not complete the handshake within ``handshake_timeout`` seconds (at most
+    ``MAX_HANDSHAKE_TIMEOUT_S``, else ``ValueError`` before anything is touched) is dropped (and so is one that
+    then sends no request, or stops reading its reply, for that long); the worker keeps serving.
 
-    Raises :class:`WorkerAlreadyRunning` if another worker answers on ``socket_path``.  The check runs before
-    the slow import (a quick refusal) and again just before the bind (a worker that started meanwhile); a
-    stale socket file is replaced.  On the way out the socket and key are removed only if they are still the
-    ones this worker created.
+    Runs under the path's :class:`SocketLock`: ``lock``, held by the caller (``main`` takes it before its slow
+    imports) and left held, or else one taken here and released on return.  Raises :class:`WorkerAlreadyRunning`
+    if another worker holds the lock or answers on ``socket_path``.  The check runs before the slow import (a
+    quick refusal) and again just before the bind (a worker without the lock that started meanwhile); a stale
+    socket file is replaced.  On the way out the socket and key are removed only if they are still the ones
+    this worker created.
     """
+    handshake_timeout = check_handshake_timeout(handshake_timeout)
     path = Path(socket_path)
+    if lock is not None and not (lock.held and lock.path == lock_path(path)):
+        raise ValueError(f"serve() on {path} needs the lock {lock_path(path)} held, got "
+                         f"{'a held' if lock.held else 'an unheld'} lock on {lock.path}")
     check_socket_dir(path)
+    own = lock is None
+    if own:
+        lock = SocketLock(path).acquire()
+    try:
+        return _serve_locked(path, max_requests, handshake_timeout)
+    finally:
+        if own:
+            lock.release()
+
+
+def _serve_locked(path: Path, max_requests: int | None, handshake_timeout: float) -> int:
+    """:func:`serve` once the path's :class:`SocketLock` is held."""
     check_no_live_worker(path)
     from client.pgvi_client import handle  # torch, common: loaded once, here
 
@@ -408,7 +550,7 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock_id = key_id = key = None
     try:
-        if check_no_live_worker(path):  # a killed worker's socket and key
+        if check_no_live_worker(path):  # a killed worker's socket and key; the lock keeps other workers out
             path.unlink(missing_ok=True)
             print(f"[warm-worker] replacing the stale socket {path} (nobody listened on it)",
                   file=sys.stderr, flush=True)
@@ -468,13 +610,16 @@ def serve(socket_path: str | os.PathLike, *, max_requests: int | None = None,
     return served
 
 
-def _positive_seconds(text: str) -> float:
+def _handshake_seconds(text: str) -> float:
+    """``--handshake-timeout-s``: positive seconds, at most ``MAX_HANDSHAKE_TIMEOUT_S`` (see
+    :func:`check_handshake_timeout`)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    if not 0 < value <= MAX_HANDSHAKE_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds at most "
+                                         f"{MAX_HANDSHAKE_TIMEOUT_S:g}, got {text!r}")
     return value
 
 
@@ -483,34 +628,39 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--socket", required=True,
                     help="Unix socket path; its directory is created 0700 if missing, else must be private to this user")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads (a request's node config overrides it)")
-    ap.add_argument("--handshake-timeout-s", type=_positive_seconds, default=HANDSHAKE_TIMEOUT_S,
+    ap.add_argument("--handshake-timeout-s", type=_handshake_seconds, default=HANDSHAKE_TIMEOUT_S,
                     help="drop a peer that does not complete the authentication handshake within this time "
-                         f"(default {HANDSHAKE_TIMEOUT_S:g})")
+                         f"(default {HANDSHAKE_TIMEOUT_S:g}, at most {MAX_HANDSHAKE_TIMEOUT_S:g})")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:  # before the slow torch import
+    try:  # before the slow torch import; the lock for the worker's whole life (a second worker stops here)
         check_socket_dir(args.socket)
-        check_no_live_worker(args.socket)
+        lock = SocketLock(args.socket).acquire()
     except (SocketDirectoryError, WorkerAlreadyRunning, OSError) as err:
         sys.exit(f"[warm-worker] {err}")
-    from common import explicit_step, native
-    from common.runtime import configure_compute, flush_denormals_from_environment  # imports torch
+    with lock:  # released (its file removed) on the way out, sys.exit included
+        try:
+            check_no_live_worker(args.socket)  # a worker of a version without the lock
+        except (WorkerAlreadyRunning, OSError) as err:
+            sys.exit(f"[warm-worker] {err}")
+        from common import explicit_step, native
+        from common.runtime import configure_compute, flush_denormals_from_environment  # imports torch
 
-    try:  # a bad compute switch stops the worker now (before round 1), not at its first request
-        native.disabled_by_environment()
-        native.openmp_disabled_by_environment()
-        explicit_step.disabled_by_environment()
-        flush_denormals_from_environment()
-    except ValueError as err:
-        sys.exit(f"[warm-worker] {err}")
-    configure_compute(args.torch_threads)
-    try:
-        served = serve(args.socket, handshake_timeout=args.handshake_timeout_s)
-    except WorkerAlreadyRunning as err:
-        sys.exit(f"[warm-worker] {err}")
+        try:  # a bad compute switch stops the worker now (before round 1), not at its first request
+            native.disabled_by_environment()
+            native.openmp_disabled_by_environment()
+            explicit_step.disabled_by_environment()
+            flush_denormals_from_environment()
+        except ValueError as err:
+            sys.exit(f"[warm-worker] {err}")
+        configure_compute(args.torch_threads)
+        try:
+            served = serve(args.socket, handshake_timeout=args.handshake_timeout_s, lock=lock)
+        except WorkerAlreadyRunning as err:
+            sys.exit(f"[warm-worker] {err}")
     print(f"[warm-worker] stopped after {served} requests", file=sys.stderr, flush=True)
     # Nothing is left to write (the ClientApp saves the client state it gets back), so skip the interpreter's
     # teardown: with ten workers holding Fashion-MNIST shards it took over 10 s on 2 cores (measured with
