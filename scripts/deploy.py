@@ -385,6 +385,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _warm_worker() -> Any:
+    """``client.warm_worker`` (stdlib-only at import; torch is imported by the worker process), importable also
+    when this file runs as ``python scripts/deploy.py``."""
+    try:
+        from client import warm_worker
+    except ImportError:  # pragma: no cover - direct execution: the repository is not on sys.path
+        sys.path.insert(0, str(REPO_ROOT))
+        from client import warm_worker
+    return warm_worker
+
+
 def _mkdir_private(path: Path) -> None:
     """Create ``path`` and each missing parent owner-only (0700): run dirs hold the SuperLink database
     (stored messages, task tokens), node state and logs.  (``Path.mkdir(parents=True, mode=...)`` gives the mode
@@ -591,14 +602,53 @@ class Deployment:
 
     def _spawn_worker(self, k: int) -> ProcInfo:
         threads = str(self.node_config_for(k).get("torch-threads", 1))
+        self._clear_stale_worker_socket(k)
         return self._spawn("warm-worker", k, [self._bin("python"), "-m", "client.warm_worker", "--socket",
                                               str(self.worker_socket(k)), "--torch-threads", threads],
                            self.run_dir / "homes" / f"worker-{k}", env=self._repo_on_pythonpath())
 
+    def _clear_stale_worker_socket(self, k: int) -> None:
+        """Remove node ``k``'s worker socket and key if nobody listens on the socket (a SIGKILLed or OOM-killed
+        worker leaves both behind), so that their presence means a listening worker again; a live worker on the
+        path is a :class:`DeploymentError` (a second worker would refuse to start, and the node would silently
+        use a worker this deployment did not start)."""
+        ww = _warm_worker()
+        sock = self.worker_socket(k)
+        try:
+            stale = ww.check_no_live_worker(sock)
+        except ww.WorkerAlreadyRunning:
+            raise DeploymentError(
+                f"warm-worker-{k}: a compute worker this deployment does not track already listens on {sock} "
+                f"(another deployment in {self.run_dir}?); stop it first"
+            ) from None
+        if stale or not sock.exists():
+            sock.unlink(missing_ok=True)
+            ww.key_path(sock).unlink(missing_ok=True)
+
+    def _worker_listening(self, k: int) -> bool:
+        """True when node ``k``'s worker is ready for calls: its socket and key exist, the key is not older than
+        the socket (a worker writes its key after it listens: an older one is a killed worker's), and a
+        connection to the socket succeeds (files left by a killed worker refuse it).  The probe connection
+        leaves before the handshake; the worker logs it as a refused connection and keeps serving."""
+        ww = _warm_worker()
+        sock = self.worker_socket(k)
+        try:
+            if ww.key_path(sock).stat().st_mtime_ns < sock.stat().st_mtime_ns:
+                return False
+        except FileNotFoundError:
+            return False
+        try:
+            ww.check_no_live_worker(sock)
+        except ww.WorkerAlreadyRunning:
+            return True
+        return False
+
     def _wait_worker(self, k: int, info: ProcInfo, timeout: float) -> None:
+        """Wait until node ``k``'s worker accepts connections (:meth:`_worker_listening`); a worker that exits
+        first, or does not listen within ``timeout`` s, is a :class:`DeploymentError` with its log's tail."""
         sock = self.worker_socket(k)
         deadline = time.monotonic() + timeout
-        while not (sock.exists() and Path(str(sock) + ".key").exists()):
+        while not self._worker_listening(k):
             if not self._alive(info):
                 raise DeploymentError(f"warm-worker-{k} exited (rc={self._returncode(info)}):\n{_tail(info.log_path)}")
             if time.monotonic() > deadline:
@@ -823,6 +873,10 @@ class Deployment:
     # ----------------------------------------------------------------- start
 
     def _prepare_pki(self) -> None:
+        """Generate (or reuse) the PKI in ``run_dir/certs``, or check the one given with ``certs_dir``.
+
+        Every problem (a bad SAN, an unusable file, an ``OSError``) is a :class:`DeploymentError` naming the
+        file, raised before any process starts."""
         if self.insecure:
             self.pki = None
             return
@@ -831,10 +885,10 @@ class Deployment:
             # the certificate must name the address the SuperNodes and the CLI connect to
             try:
                 self.pki = pki.ensure_pki(self.run_dir / "certs", self.num_nodes, extra, log=log.info)
-            except ValueError as err:
+            except (ValueError, OSError) as err:
                 raise DeploymentError(f"PKI in {self.run_dir / 'certs'}: {err}") from None
             return
-        files = pki.PkiFiles(
+        self.pki = pki.PkiFiles(
             out_dir=self.certs_dir,
             ca_cert=self.certs_dir / "ca.crt",
             ca_key=self.certs_dir / "ca.key",
@@ -842,26 +896,45 @@ class Deployment:
             server_key=self.certs_dir / "server.key",
             node_keys=(),
         )
-        self.pki = files
-        need = [files.ca_cert, files.server_cert, files.server_key]
-        if self.auth:
-            need += [p for k in range(self.num_nodes) for p in self.node_key(k)]
+        self._check_certs_dir(extra)
+
+    def _check_certs_dir(self, extra: Sequence[str]) -> None:
+        """Check the PKI given with ``certs_dir`` (never modified) with pki's own checks: every file this
+        deployment uses exists; ``ca.crt`` is a CA valid now; the SuperLink certificate (and, with
+        ``isolation='process'``, each node's Runtime API certificate) is issued by it, matches its key, is valid
+        now and lists ``extra``; with authentication each node key pair matches.  A bad file would otherwise
+        surface only when the SuperLink or a SuperNode starts (or after the health check's timeout)."""
+        files = self.pki
+        assert files is not None
+        leaves = [(files.server_cert, files.server_key)]
         if self.isolation == "process":
-            need += [p for k in range(self.num_nodes) for p in self.node_runtime_cert(k)]
+            leaves += [self.node_runtime_cert(k) for k in range(self.num_nodes)]
+        node_keys = [self.node_key(k) for k in range(self.num_nodes)] if self.auth else []
+        need = [files.ca_cert, *(p for pair in leaves + node_keys for p in pair)]
         missing = [str(p) for p in need if not p.exists()]
         san_args = "".join(f" --san {h}" for h in extra)
+        reissue = f"`python scripts/pki.py --out {self.certs_dir} --supernodes {self.num_nodes}{san_args}`"
         if missing:
+            raise DeploymentError(f"missing PKI files {missing}; create them with {reissue}")
+        try:
+            pki.split_sans(extra)
+        except ValueError as err:
+            raise DeploymentError(f"--host/--control-host cannot be listed in a certificate: {err}") from None
+        try:
+            warnings = pki.verify_pki_files(files.ca_cert, leaves, node_keys)
+            uncovered = [h for h in extra if not pki.cert_covers_host(files.server_cert, h)]
+        except (ValueError, OSError) as err:
             raise DeploymentError(
-                f"missing PKI files {missing}; create them with "
-                f"`python scripts/pki.py --out {self.certs_dir} --supernodes {self.num_nodes}{san_args}`"
+                f"unusable PKI in {self.certs_dir} (--certs): {err}; {reissue} re-issues an unusable "
+                "certificate (needs ca.key)"
+            ) from None
+        for warning in warnings:
+            log.warning("%s (--certs %s)", warning, self.certs_dir)
+        if uncovered:
+            raise DeploymentError(
+                f"{files.server_cert} does not list {uncovered[0]} (--host/--control-host) among its subjectAltNames, "
+                f"so no client could verify it; re-issue it with {reissue} (needs ca.key)"
             )
-        for h in extra:
-            if not pki.cert_covers_host(files.server_cert, h):
-                raise DeploymentError(
-                    f"{files.server_cert} does not list {h} (--host/--control-host) among its subjectAltNames, so no "
-                    f"client could verify it; re-issue it with `python scripts/pki.py --out {self.certs_dir} "
-                    f"--supernodes {self.num_nodes}{san_args}` (needs ca.key)"
-                )
 
     @property
     def control_address(self) -> str:

@@ -16,16 +16,28 @@ Creates, under one output directory:
   SAN ``supernode-<k>``, ``localhost``, ``127.0.0.1``, ``::1``.
 
 Idempotent: existing files are reused unless ``--force``. A server certificate whose
-SAN set lacks a requested name, or that was not issued by the current CA, is re-issued
-(a silently reused certificate without the requested name would fail at handshake
-time). Private keys are written with mode 0600 and never overwritten in place (write to
-a temporary file, then rename).
+SAN set lacks a requested name, that was not issued by the current CA, that expires within
+7 days or that is not valid yet (notBefore in the future) is re-issued (a silently reused
+certificate without the requested name would fail at handshake time). Private keys are
+written with mode 0600 and never overwritten in place (write to a temporary file, then
+rename). A run holds an exclusive lock on ``<out>/.pki.lock`` from start to end, so two runs
+on one directory (two ``deploy.py up`` on one run dir, an overlapping CI retry) cannot mix
+their files: the second waits, then reuses what the first wrote.
+
+Lifetimes: a new CA is valid for ``--ca-days`` (default 3650) and the certificates it
+issues for ``--days`` (default 365). A certificate is renewed when fewer than 7 days are
+left, and the CA issues only while it has at least 30 days left, so ``--days`` must exceed
+7 and ``--ca-days`` must be at least ``--days + 37``: the CA can then renew its
+certificates instead of forcing a new CA (and a re-distributed ``ca.crt``) on every renewal.
 
 The CA key may live offline: with ``ca.crt`` present but ``ca.key`` absent, nothing is
 created when every needed certificate already exists and is valid; when one must be
 issued, the tool fails and asks for ``ca.key`` (it never replaces an existing ``ca.crt``
-with a new CA unless ``--force``). A reused CA that has expired, or that has fewer than 30
-days left when a certificate must be issued, is an error naming its expiry date.
+with a new CA unless ``--force``). A reused CA that has expired, that is not valid yet, or
+that has fewer than 30 days left when a certificate must be issued, is an error naming the
+date; a reused ``ca.crt`` that is not a CA certificate (no basicConstraints ``CA:TRUE``, or a
+keyUsage without ``keyCertSign``) is an error too. Every such error, and every file that
+cannot be parsed, is a :class:`PkiError` naming the file.
 
 Nothing generated here is meant to be committed: ``.gitignore`` ignores every ``certs/``
 directory (the repo's and each deployment's ``runs/<dir>/certs/``) and every ``*.key``,
@@ -38,38 +50,46 @@ starts with ``--auth-supernode-private-key keys/site-k.key``.
 
 Usage::
 
-    python scripts/pki.py --out certs/ --supernodes 3 [--san my.host --san 10.0.0.5]
+    python scripts/pki.py --out certs/ --supernodes 3 [--san my.host --san 10.0.0.5] [--days 365 --ca-days 3650]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import fcntl
 import ipaddress
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
+    "DEFAULT_CA_DAYS",
+    "DEFAULT_DAYS",
     "DEFAULT_SAN_DNS",
     "DEFAULT_SAN_IPS",
     "NodeKeyPair",
+    "PkiError",
     "PkiFiles",
     "RuntimeCert",
     "cert_covers_host",
     "ensure_pki",
     "generate_node_keypair",
+    "load_ca_cert",
     "main",
     "node_key_name",
     "split_sans",
+    "verify_pki_files",
 ]
 
 #: Names always present in the SuperLink certificate.
@@ -83,6 +103,18 @@ _HASH = hashes.SHA384
 _RENEW_MARGIN_DAYS = 7
 #: Refuse to issue a certificate from a reused CA that expires within this many days.
 _CA_MIN_REMAINING_DAYS = 30
+#: Default lifetime of a new CA: much longer than a leaf's, so the same CA can renew its leaves.
+DEFAULT_CA_DAYS = 3650
+#: Default lifetime of a new leaf certificate.
+DEFAULT_DAYS = 365
+#: Lock file held (``flock``, exclusive) by every :func:`ensure_pki` run on a directory.
+LOCK_NAME = ".pki.lock"
+
+
+class PkiError(ValueError):
+    """A PKI file is unusable (unreadable, malformed, not a CA, outside its validity window) or an option is
+    out of range.  The message names the file or the option.  A ``ValueError``, so callers that caught those
+    keep working."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +166,61 @@ def _valid_dns_name(name: str) -> bool:
     return 0 < len(body) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in body.split("."))
 
 
+def _strip_root_dot(name: str) -> str:
+    """``name`` without one trailing dot: ``my.host.`` (the fully-qualified spelling) is ``my.host``, the name
+    a certificate lists and a TLS client compares against."""
+    return name[:-1] if name.endswith(".") else name
+
+
+def _san_ip(name: str, bare: str) -> str | None:
+    """``bare`` as a normalised IP address if it is one (``None`` if not), refusing what no client dials: an IPv6
+    zone id (``fe80::1%eth0``: local to one host, and a certificate holds only the 16 address bytes) and the
+    unspecified address (``0.0.0.0``, ``::``: a bind-to-all address)."""
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return None
+    if getattr(ip, "scope_id", None):
+        raise ValueError(
+            f"san: {name!r} has an IPv6 zone id ('%{ip.scope_id}'), which names an interface of one host and "
+            f"cannot be in a certificate; give the address without it ({str(ip).split('%')[0]})"
+        )
+    if ip.is_unspecified:
+        raise ValueError(
+            f"san: {name!r} is the unspecified address (bind to all interfaces), not an address a client "
+            "connects to; give the address or name the clients dial"
+        )
+    return str(ip)
+
+
+def _san_dns(name: str) -> str:
+    """``name`` as a DNS subjectAltName without a trailing dot, or a ``ValueError`` naming it."""
+    if ":" in name:
+        raise ValueError(
+            f"san: {name!r} is not a DNS name or IP address (a subjectAltName has no port: drop the ':PORT')"
+        )
+    if not _valid_dns_name(name):
+        raise ValueError(
+            f"san: {name!r} is neither an IP address nor a valid DNS name (labels of letters, "
+            f"digits and hyphens separated by dots, optionally starting with '*.')"
+        )
+    dns = _strip_root_dot(name)
+    if re.fullmatch(r"[0-9.]+", dns):  # 127.1, 10.0.0, 192.168.001.1: a mistyped address, not a host name
+        raise ValueError(
+            f"san: {name!r} is made only of digits and dots but is not a valid IP address; write the "
+            "address in full (four decimal parts without leading zeros, e.g. 127.0.0.1)"
+        )
+    return dns
+
+
 def split_sans(names: Iterable[str]) -> tuple[list[str], list[str]]:
     """Split SAN entries into (DNS names, IP addresses), dropping duplicates.
 
-    IP addresses may be bracketed (``[2001:db8::5]``); a port (``host:9092``) or anything else that is
-    not a valid DNS name is a ``ValueError`` naming the entry.
+    IP addresses may be bracketed (``[2001:db8::5]``); a DNS name loses one trailing dot (``my.host.`` is
+    ``my.host``, as :func:`cert_covers_host` compares it).  A SAN is a name a client dials, so a port
+    (``host:9092``), an IPv6 zone id (``fe80::1%eth0``), an unspecified address (``0.0.0.0``, ``::``), a
+    "DNS name" made only of digits and dots (``127.1``: a mistyped address) and anything else that is not a
+    valid DNS name is a ``ValueError`` naming the entry.
     """
     dns: list[str] = []
     ips: list[str] = []
@@ -147,26 +229,16 @@ def split_sans(names: Iterable[str]) -> tuple[list[str], list[str]]:
         if not name:
             raise ValueError("san: empty subjectAltName entry")
         bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
-        try:
-            ip = str(ipaddress.ip_address(bare))
-        except ValueError:
-            if bare != name:
-                raise ValueError(f"san: {name!r}: only an IPv6 address may be written in brackets") from None
-            if ":" in name:
-                raise ValueError(
-                    f"san: {name!r} is not a DNS name or IP address (a subjectAltName has no port: "
-                    f"drop the ':PORT')"
-                ) from None
-            if not _valid_dns_name(name):
-                raise ValueError(
-                    f"san: {name!r} is neither an IP address nor a valid DNS name (labels of letters, "
-                    f"digits and hyphens separated by dots, optionally starting with '*.')"
-                ) from None
-            if name.lower() not in (d.lower() for d in dns):
-                dns.append(name)
-        else:
+        ip = _san_ip(name, bare)
+        if ip is not None:
             if ip not in ips:
                 ips.append(ip)
+            continue
+        if bare != name:
+            raise ValueError(f"san: {name!r}: only an IPv6 address may be written in brackets")
+        host = _san_dns(name)
+        if host.lower() not in (d.lower() for d in dns):
+            dns.append(host)
     return dns, ips
 
 
@@ -200,15 +272,55 @@ def _write_private_pem(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
 
 
 def _load_private_pem(path: Path) -> ec.EllipticCurvePrivateKey:
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    """The unencrypted EC private key in ``path``; :class:`PkiError` naming the file if it is anything else
+    (an ``OSError`` reading it propagates: it names the file too)."""
+    data = path.read_bytes()
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as err:  # TypeError: encrypted, needs a password
+        raise PkiError(f"{path}: not a readable unencrypted PEM private key ({err})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"{path}: expected an EC private key, got {type(key).__name__}")
+        raise PkiError(f"{path}: expected an EC private key, got {type(key).__name__}")
     return key
+
+
+def _load_cert(path: Path) -> x509.Certificate:
+    """The PEM certificate in ``path``; :class:`PkiError` naming the file if it cannot be parsed."""
+    data = path.read_bytes()
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as err:
+        raise PkiError(f"{path}: not a readable PEM certificate ({err})") from None
 
 
 def _ensure_private_mode(path: Path) -> None:
     if path.exists() and (path.stat().st_mode & 0o077):
         os.chmod(path, 0o600)
+
+
+def _make_out_dir(out: Path) -> None:
+    """Create ``out`` (mode 0700; an existing directory keeps its mode), or :class:`PkiError` if it is a file.
+
+    ``exist_ok``: a concurrent run may create it between a check and the ``mkdir``."""
+    if out.exists() and not out.is_dir():
+        raise PkiError(f"output directory {out} exists and is not a directory")
+    out.mkdir(parents=True, mode=0o700, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<out>/.pki.lock`` (waiting for it if another run holds it).
+
+    Without it, two runs on one fresh directory each create a CA and write their files over each other's,
+    leaving a ``ca.crt`` that does not match ``ca.key`` or certificates no CA here issued, and both exit 0.
+    The lock file is kept (removing it would let a third run lock a new file while the second holds the
+    old one); the kernel releases the lock when the descriptor is closed, also if the process dies."""
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- X.509
@@ -304,29 +416,96 @@ def _make_server_cert(
     )
 
 
+def _check_is_ca(path: Path, cert: x509.Certificate) -> None:
+    """:class:`PkiError` unless ``cert`` may sign certificates: basicConstraints ``CA:TRUE`` and, if it has a
+    keyUsage (optional, RFC 5280 4.2.1.3), ``keyCertSign``.  What a non-CA "signs" verifies nowhere."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = None
+    except ValueError as err:  # a malformed or duplicated extension
+        raise PkiError(f"{path}: unreadable certificate extensions ({err})") from None
+    if constraints is None or not constraints.ca:
+        raise PkiError(
+            f"{path} is not a CA certificate (no basicConstraints CA:TRUE), so nothing it signs verifies: "
+            "put the CA's own ca.crt/ca.key here, or create a new CA with --force and re-distribute ca.crt"
+        )
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        return
+    if not usage.key_cert_sign:
+        raise PkiError(
+            f"{path} is not a CA certificate (its keyUsage lacks keyCertSign), so nothing it signs verifies: "
+            "put the CA's own ca.crt/ca.key here, or create a new CA with --force and re-distribute ca.crt"
+        )
+
+
+def _check_ca_validity(path: Path, cert: x509.Certificate) -> None:
+    """:class:`PkiError` naming ``path`` if the CA is not valid now: expired, or not valid yet (made on a host
+    whose clock ran ahead, or this host's clock is behind; a new CA's notBefore is 5 minutes in the past, so
+    ordinary skew is covered)."""
+    now = _now()
+    start, expiry = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if start > now:
+        raise PkiError(
+            f"CA certificate {path} is not valid before {start:%Y-%m-%d %H:%M} UTC (now {now:%Y-%m-%d %H:%M} UTC): "
+            "nothing it signed verifies yet; check this host's clock (and the clock of the host that made the "
+            "CA), or create a new CA with --force and re-distribute ca.crt"
+        )
+    if expiry <= now:
+        raise PkiError(
+            f"CA certificate {path} expired on {expiry:%Y-%m-%d %H:%M} UTC: nothing it "
+            "signed verifies any more; create a new CA with --force and re-distribute ca.crt"
+        )
+
+
+def load_ca_cert(path: str | os.PathLike[str]) -> x509.Certificate:
+    """Load ``ca.crt`` and check that it is a CA certificate valid now; :class:`PkiError` naming the file
+    otherwise (an ``OSError`` reading it propagates)."""
+    path = Path(path)
+    cert = _load_cert(path)
+    _check_is_ca(path, cert)
+    _check_ca_validity(path, cert)
+    return cert
+
+
 def _leaf_problem(
     cert_path: Path,
     key_path: Path,
     ca_cert: x509.Certificate,
     dns: Sequence[str],
     ips: Sequence[str],
+    *,
+    renew_margin_days: int = _RENEW_MARGIN_DAYS,
 ) -> str | None:
     """Why the existing leaf certificate cannot be reused (``None``: it can).
 
-    Reusable means: issued by this CA, matching its key, valid for at least
-    ``_RENEW_MARGIN_DAYS`` more days, and its SANs cover ``dns`` and ``ips``.
+    Reusable means: issued by this CA, matching its key, valid now (notBefore not in the future) and for at
+    least ``renew_margin_days`` more days, and its SANs cover ``dns`` and ``ips``.
     """
     if not (cert_path.exists() and key_path.exists()):
         return "missing"
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except Exception:  # noqa: BLE001 - unreadable: re-issue
+        return "unreadable certificate"
+    try:
         key = _load_private_pem(key_path)
+    except Exception:  # noqa: BLE001 - unreadable key: re-issue (with a new key)
+        return f"{key_path.name} unreadable"
+    try:
         cert.verify_directly_issued_by(ca_cert)
-    except Exception:  # noqa: BLE001 - unreadable, foreign CA, bad signature: re-issue
-        return "unreadable or not issued by this CA"
+    except Exception:  # noqa: BLE001 - foreign CA, bad signature: re-issue
+        return "not issued by this CA"
     if cert.public_key().public_numbers() != key.public_key().public_numbers():
         return f"does not match {key_path.name}"
-    if cert.not_valid_after_utc - _now() < _dt.timedelta(days=_RENEW_MARGIN_DAYS):
+    now = _now()
+    if cert.not_valid_before_utc > now:
+        return f"not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+    if cert.not_valid_after_utc <= now:
+        return f"expired on {cert.not_valid_after_utc:%Y-%m-%d}"
+    if cert.not_valid_after_utc - now < _dt.timedelta(days=renew_margin_days):
         return f"expires on {cert.not_valid_after_utc:%Y-%m-%d}"
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -351,10 +530,46 @@ def _server_cert_reusable(
     return _leaf_problem(cert_path, key_path, ca_cert, dns, ips) is None
 
 
+def verify_pki_files(
+    ca_cert: str | os.PathLike[str],
+    leaves: Iterable[tuple[str | os.PathLike[str], str | os.PathLike[str]]] = (),
+    node_keys: Iterable[tuple[str | os.PathLike[str], str | os.PathLike[str]]] = (),
+) -> list[str]:
+    """Check a PKI made elsewhere (``deploy.py --certs``) with the checks :func:`ensure_pki` applies, without
+    changing anything, so that a bad file is reported before a server starts with it.
+
+    ``ca_cert`` must be a CA certificate valid now; each ``(cert, key)`` of ``leaves`` must be issued by it,
+    match its key and be valid now (SAN coverage is the caller's: :func:`cert_covers_host`); each
+    ``(private, public)`` of ``node_keys`` must be a matching EC OpenSSH key pair.  Raises :class:`PkiError`
+    naming the first unusable file (an ``OSError`` reading one propagates).  Returns warnings: the CA or a
+    certificate that is still valid but expires soon.
+    """
+    ca_path = Path(ca_cert)
+    ca = load_ca_cert(ca_path)
+    warnings: list[str] = []
+    if ca.not_valid_after_utc - _now() < _dt.timedelta(days=_CA_MIN_REMAINING_DAYS):
+        warnings.append(f"CA certificate {ca_path} expires on {ca.not_valid_after_utc:%Y-%m-%d} UTC")
+    for cert_p, key_p in leaves:
+        cert_p, key_p = Path(cert_p), Path(key_p)
+        why = _leaf_problem(cert_p, key_p, ca, (), (), renew_margin_days=0)
+        if why is not None:
+            raise PkiError(f"{cert_p}: {why} (CA {ca_path})")
+        if _leaf_problem(cert_p, key_p, ca, (), ()) is not None:
+            expiry = x509.load_pem_x509_certificate(cert_p.read_bytes()).not_valid_after_utc
+            warnings.append(f"certificate {cert_p} expires on {expiry:%Y-%m-%d} UTC")
+    for priv_p, pub_p in node_keys:
+        priv_p, pub_p = Path(priv_p), Path(pub_p)
+        if not _node_keypair_valid(priv_p, pub_p):
+            raise PkiError(f"{priv_p} / {pub_p}: missing or not a matching EC OpenSSH key pair")
+    return warnings
+
+
 def cert_covers_host(cert_path: str | os.PathLike[str], host: str) -> bool:
     """True when the certificate's subjectAltNames contain ``host`` (an IP or a DNS name;
-    a ``*.example.org`` entry covers one leftmost label)."""
-    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    a ``*.example.org`` entry covers one leftmost label).  One trailing dot is ignored on both sides
+    (``my.host.`` is ``my.host``, as in :func:`split_sans`); an IPv6 zone id never matches (a SAN has none).
+    A certificate that cannot be parsed is a :class:`PkiError` naming the file."""
+    cert = _load_cert(Path(cert_path))
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -362,9 +577,9 @@ def cert_covers_host(cert_path: str | os.PathLike[str], host: str) -> bool:
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        name = host.lower().rstrip(".")
+        name = _strip_root_dot(host.lower())
         for d in san.get_values_for_type(x509.DNSName):
-            d = d.lower().rstrip(".")
+            d = _strip_root_dot(d.lower())
             if d == name or (d.startswith("*.") and "." in name and name.split(".", 1)[1] == d[2:]):
                 return True
         return False
@@ -441,52 +656,121 @@ def _node_keypair_valid(private_path: Path, public_path: Path) -> bool:
 # --------------------------------------------------------------------------- main API
 
 
+def _check_lifetimes(valid_days: int, ca_valid_days: int) -> None:
+    """:class:`PkiError` unless a leaf can be reused between renewals and the CA can renew its leaves.
+
+    A leaf is renewed when fewer than ``_RENEW_MARGIN_DAYS`` days are left, so a lifetime at or below that
+    margin would be re-issued on every run; and a CA issues only while it has ``_CA_MIN_REMAINING_DAYS`` days
+    left, so a CA that does not outlive its leaves by both margins could not renew them (every renewal would
+    need a new CA and a re-distributed ``ca.crt``)."""
+    if valid_days <= _RENEW_MARGIN_DAYS:
+        raise PkiError(
+            f"valid_days (--days) must be more than {_RENEW_MARGIN_DAYS}: a certificate is renewed when fewer than "
+            f"{_RENEW_MARGIN_DAYS} days are left, so a shorter one would be re-issued on every run; got {valid_days}"
+        )
+    least = valid_days + _CA_MIN_REMAINING_DAYS + _RENEW_MARGIN_DAYS
+    if ca_valid_days < least:
+        raise PkiError(
+            f"ca_valid_days (--ca-days) must be at least valid_days (--days) + {_CA_MIN_REMAINING_DAYS} + "
+            f"{_RENEW_MARGIN_DAYS} = {least}: the CA issues only while it has {_CA_MIN_REMAINING_DAYS} days left "
+            f"and a certificate is renewed {_RENEW_MARGIN_DAYS} days before it expires, so a shorter-lived CA "
+            f"could not renew the certificates it issues; got {ca_valid_days}"
+        )
+
+
 def ensure_pki(
     out_dir: str | os.PathLike[str],
     num_supernodes: int = 0,
     extra_sans: Iterable[str] = (),
     *,
     force: bool = False,
-    valid_days: int = 365,
+    valid_days: int = DEFAULT_DAYS,
+    ca_valid_days: int = DEFAULT_CA_DAYS,
     ca_common_name: str = "pgvi-flower-ca",
     runtime_certs: bool = True,
     log=None,
 ) -> PkiFiles:
     """Create (or reuse) the CA, SuperLink certificate and ``num_supernodes`` node keys.
 
+    The whole run holds an exclusive lock on ``<out_dir>/.pki.lock``: a concurrent run on the same directory
+    waits, then reuses what this one wrote.
+
     Parameters
     ----------
     out_dir:
-        Output directory (created with mode 0700 if missing).
+        Output directory (created with mode 0700 if missing; an existing file there is a ``PkiError``).
     num_supernodes:
         Number of SuperNode key pairs ``keys/site-0 .. keys/site-(n-1)``.
     extra_sans:
-        Extra DNS names / IP addresses for the SuperLink certificate.
+        Extra DNS names / IP addresses for the SuperLink certificate (see :func:`split_sans`).
     force:
         Regenerate everything, including the CA and the node keys.
         Without it an existing ``ca.crt`` is always kept; if ``ca.key`` is absent (kept
         offline), only existing valid certificates are used and ``ValueError`` is raised
-        when one would have to be issued. An expired CA, or one with fewer than 30 days
-        left when a certificate must be issued, raises ``ValueError`` naming the date.
+        when one would have to be issued. A CA that is not a CA certificate, that has expired
+        or is not valid yet, or one with fewer than 30 days left when a certificate must be
+        issued, raises :class:`PkiError` (a ``ValueError``) naming the file.
     runtime_certs:
         Also issue one Runtime API certificate per SuperNode (``runtime/site-k.pem``).
     valid_days:
-        Validity of newly issued certificates.
+        Validity of newly issued certificates; more than 7 (the renewal margin).
+    ca_valid_days:
+        Validity of a new CA; at least ``valid_days + 37`` (the CA's 30-day issuing margin plus the
+        7-day renewal margin), so that the CA can renew the certificates it issued.
     log:
         Optional ``callable(str)`` receiving one line per action.
+
+    Unparsable files raise :class:`PkiError` naming them; an ``OSError`` (unreadable file, unwritable
+    directory) propagates.
     """
     if num_supernodes < 0:
-        raise ValueError(f"num_supernodes must be >= 0, got {num_supernodes}")
-    if valid_days < 1:
-        raise ValueError(f"valid_days must be >= 1, got {valid_days}")
-    say = log or (lambda _msg: None)
+        raise PkiError(f"num_supernodes must be >= 0, got {num_supernodes}")
+    _check_lifetimes(valid_days, ca_valid_days)
+    dns, ips = split_sans([*DEFAULT_SAN_DNS, *DEFAULT_SAN_IPS, *extra_sans])
     out = Path(out_dir).expanduser().resolve()
-    if not out.exists():
-        out.mkdir(parents=True, mode=0o700)
+    _make_out_dir(out)
+    with _locked(out):
+        return _ensure_pki_locked(
+            out, num_supernodes, dns, ips, force=force, valid_days=valid_days, ca_valid_days=ca_valid_days,
+            ca_common_name=ca_common_name, runtime_certs=runtime_certs, say=log or (lambda _msg: None),
+        )  # fmt: skip
+
+
+def _reuse_ca(ca_cert_p: Path, ca_key_p: Path, say) -> tuple[ec.EllipticCurvePrivateKey | None, x509.Certificate]:
+    """Load the existing CA: ``ca.crt`` (a CA certificate valid now) and, if present, the matching ``ca.key``
+    (``None`` when it is kept offline)."""
+    ca_cert = _load_cert(ca_cert_p)
+    ca_key: ec.EllipticCurvePrivateKey | None = None
+    if ca_key_p.exists():
+        ca_key = _load_private_pem(ca_key_p)
+        if ca_cert.public_key().public_numbers() != ca_key.public_key().public_numbers():
+            raise PkiError(f"{ca_cert_p} does not match {ca_key_p}; use --force to regenerate")
+    _check_is_ca(ca_cert_p, ca_cert)
+    _check_ca_validity(ca_cert_p, ca_cert)
+    if ca_key is not None:
+        _ensure_private_mode(ca_key_p)
+        say(f"reuse CA {ca_cert_p}")
+    else:
+        say(f"reuse CA {ca_cert_p} (no ca.key here: only existing certificates can be used)")
+    return ca_key, ca_cert
+
+
+def _ensure_pki_locked(
+    out: Path,
+    num_supernodes: int,
+    dns: list[str],
+    ips: list[str],
+    *,
+    force: bool,
+    valid_days: int,
+    ca_valid_days: int,
+    ca_common_name: str,
+    runtime_certs: bool,
+    say,
+) -> PkiFiles:
+    """:func:`ensure_pki` once ``out`` exists and its lock is held."""
     keys_dir = out / "keys"
     keys_dir.mkdir(mode=0o700, exist_ok=True)
-
-    dns, ips = split_sans([*DEFAULT_SAN_DNS, *DEFAULT_SAN_IPS, *extra_sans])
 
     ca_cert_p, ca_key_p = out / "ca.crt", out / "ca.key"
     srv_cert_p, srv_key_p = out / "server.pem", out / "server.key"
@@ -496,32 +780,17 @@ def ensure_pki(
     # create a new CA over it (that would break every distributed ca.crt): reuse what exists
     # and fail below if something must be issued.
     if not force and ca_key_p.exists() and not ca_cert_p.exists():
-        raise ValueError(
+        raise PkiError(
             f"{ca_key_p} exists but {ca_cert_p} does not: restore ca.crt (or remove ca.key, or "
             "use --force to create a new CA and re-distribute ca.crt)"
         )
     new_ca = force or not ca_cert_p.exists()
     ca_key: ec.EllipticCurvePrivateKey | None
     if not new_ca:
-        ca_cert = x509.load_pem_x509_certificate(ca_cert_p.read_bytes())
-        if ca_key_p.exists():
-            ca_key = _load_private_pem(ca_key_p)
-            if ca_cert.public_key().public_numbers() != ca_key.public_key().public_numbers():
-                raise ValueError(f"{ca_cert_p} does not match {ca_key_p}; use --force to regenerate")
-            _ensure_private_mode(ca_key_p)
-            say(f"reuse CA {ca_cert_p}")
-        else:
-            ca_key = None
-            say(f"reuse CA {ca_cert_p} (no ca.key here: only existing certificates can be used)")
-        ca_expiry = ca_cert.not_valid_after_utc
-        if ca_expiry <= _now():
-            raise ValueError(
-                f"CA certificate {ca_cert_p} expired on {ca_expiry:%Y-%m-%d %H:%M} UTC: nothing it "
-                "signed verifies any more; create a new CA with --force and re-distribute ca.crt"
-            )
+        ca_key, ca_cert = _reuse_ca(ca_cert_p, ca_key_p, say)
     else:
-        ca_key, ca_cert = _make_ca(ca_common_name, valid_days=max(valid_days, 30))
-        ca_expiry = ca_cert.not_valid_after_utc
+        ca_key, ca_cert = _make_ca(ca_common_name, valid_days=ca_valid_days)
+    ca_expiry = ca_cert.not_valid_after_utc
 
     # --- which certificates must be (re-)issued: decided before anything is written
     renew = force or new_ca
@@ -537,13 +806,13 @@ def ensure_pki(
         if todo:
             what = "; ".join(f"{c} ({why})" for c, why in todo)
             if ca_key is None:
-                raise ValueError(
+                raise PkiError(
                     f"must issue {what}, but the CA private key {ca_key_p} is missing (only "
                     f"{ca_cert_p} is there): restore ca.key from where it is kept offline, or "
                     "provide the needed certificates, issued by this CA, in this directory"
                 )
             if ca_expiry - _now() < _dt.timedelta(days=_CA_MIN_REMAINING_DAYS):
-                raise ValueError(
+                raise PkiError(
                     f"must issue {what}, but the CA certificate {ca_cert_p} expires on "
                     f"{ca_expiry:%Y-%m-%d %H:%M} UTC (less than {_CA_MIN_REMAINING_DAYS} days left), "
                     "so the certificate would soon be useless: create a new CA with --force and "
@@ -572,7 +841,7 @@ def ensure_pki(
             say(f"reuse node key {priv_p}")
         else:
             if not force and (priv_p.exists() or pub_p.exists()):
-                raise ValueError(
+                raise PkiError(
                     f"{priv_p} / {pub_p} exist but are not a matching EC OpenSSH key pair; "
                     "remove them or use --force"
                 )
@@ -615,7 +884,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="extra subjectAltName for the SuperLink certificate (DNS name or IP); repeatable",
     )
-    parser.add_argument("--days", type=int, default=365, help="certificate validity in days")
+    parser.add_argument(
+        "--days", type=int, default=DEFAULT_DAYS,
+        help=f"validity of newly issued certificates in days (default {DEFAULT_DAYS}; more than "
+             f"{_RENEW_MARGIN_DAYS}, the renewal margin)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ca-days", type=int, default=DEFAULT_CA_DAYS,
+        help=f"validity of a new CA in days (default {DEFAULT_CA_DAYS}); at least --days + "
+             f"{_CA_MIN_REMAINING_DAYS + _RENEW_MARGIN_DAYS}, so that the CA can renew the certificates it issues",
+    )  # fmt: skip
     parser.add_argument(
         "--force", action="store_true", help="regenerate everything (new CA: re-distribute ca.crt)"
     )
@@ -628,9 +906,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.san,
             force=args.force,
             valid_days=args.days,
+            ca_valid_days=args.ca_days,
             log=None if args.quiet else (lambda m: print(m, file=sys.stderr)),
         )
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # PkiError, a bad option, an unreadable file or unwritable directory
         print(f"pki.py: error: {err}", file=sys.stderr)
         return 2
     if not args.quiet:

@@ -207,7 +207,7 @@ def test_split_sans_rejects_invalid_names_naming_them(bad):
 def test_split_sans_takes_valid_names_and_bracketed_ips():
     dns, ips = pki.split_sans(["superlink", "site-0", "*.example.org", "fl.example.org.", "[2001:db8::5]",
                                "[192.0.2.1]", "2001:db8::5", "10.0.0.1"])  # fmt: skip
-    assert dns == ["superlink", "site-0", "*.example.org", "fl.example.org."]
+    assert dns == ["superlink", "site-0", "*.example.org", "fl.example.org"]  # one trailing (root) dot dropped
     assert ips == ["2001:db8::5", "192.0.2.1", "10.0.0.1"]
 
 
