@@ -129,21 +129,42 @@ def _positive_finite(value: object, name: str) -> float:
 
 def coordinatewise_median(stacked: Tensor) -> Tensor:
     """Median over dim 0 of ``stacked``; for an even count the mean of the two middle values (as ``np.median``;
-    ``torch.median`` would return the lower one)."""
+    ``torch.median`` would return the lower one).
+
+    The mean of the two middle values is ``0.5 a + 0.5 b``: halving is exact (short of subnormals), so this is
+    ``0.5 (a + b)`` to the bit wherever that does not overflow, and finite for all finite inputs (``a + b``
+    overflowed for two values near the float range, e.g. ``3e38`` in float32)."""
     m = stacked.shape[0]
     s = torch.sort(stacked, dim=0).values
     if m % 2 == 1:
         return s[m // 2].clone()
-    return 0.5 * (s[m // 2 - 1] + s[m // 2])
+    return 0.5 * s[m // 2 - 1] + 0.5 * s[m // 2]
+
+
+#: float64 values at or above this magnitude are scaled by ``2**-_SCALE_BITS`` before a sum (exact: a power of two)
+_BIG = 2.0 ** 1000
+_SCALE_BITS = 64
 
 
 def coordinatewise_trimmed_mean(stacked: Tensor, trim: float) -> Tensor:
     """Trimmed mean over dim 0: drop the ``int(trim * M)`` smallest and largest values per coordinate and average
-    the rest (``scipy.stats.trim_mean(x, trim, axis=0)``)."""
+    the rest (``scipy.stats.trim_mean(x, trim, axis=0)``).
+
+    Overflow-safe for finite inputs: the sum is taken in float64 (and cast back to the input's dtype), and a float64
+    coordinate with a value of magnitude ``>= 2**1000`` is summed scaled by ``2**-64`` (exact short of subnormals, so
+    float64 results are unchanged wherever the plain sum did not overflow).  The values are summed in sorted order,
+    so the result does not depend on the order of the clients."""
     m = stacked.shape[0]
     k = int(trim * m)
-    s = torch.sort(stacked, dim=0).values
-    return s[k : m - k].mean(dim=0)
+    s = torch.sort(stacked, dim=0).values[k : m - k]
+    wide = s.to(torch.float64)
+    big = wide.abs().amax(dim=0) >= _BIG
+    if bool(big.any()):
+        scale = torch.where(big, 2.0 ** -_SCALE_BITS, 1.0).to(torch.float64)
+        mean = (wide * scale).mean(dim=0) / scale
+    else:
+        mean = wide.mean(dim=0)
+    return mean.to(stacked.dtype)
 
 
 def _coordinatewise(deltas: Mapping[str, GaussianFactor], ids: list[str], reduce) -> GaussianFactor:  # noqa: ANN001

@@ -10,38 +10,60 @@
 * ``D_s = (1/w) KL``: multiplying the objective by ``w`` gives ``E_q[w l_s] + KL``, so the minimiser is
   ``prior * exp(-w l_s)`` = ``prior * global_site**w``.
 * any other ``D_s`` (Alpha-Renyi, reverse KL, Fisher-Rao): the objective is minimised numerically over the
-  family of the prior, in float64, through the unconstrained parameterisation of :mod:`common.variational`,
-  starting from the KL solution (or from the prior if that is improper, outside the divergence's domain or
-  on its boundary to rounding, or the objective or its gradient is not finite there): optional Adam steps,
-  then L-BFGS with a strong-Wolfe line search.  A divergence that becomes undefined at a visited point
-  raises its typed error (:class:`~common.errors.DivergenceUndefinedError`), never a NaN.
+  family of the prior, in float64, starting from the KL solution (or from the prior if that is improper, outside
+  the divergence's domain or on its boundary to rounding, or the objective or its gradient is not finite there):
+  optional Adam steps, then L-BFGS with a Wolfe line search, in *whitened* coordinates around a centre ``q0`` (the
+  start, then the point each round reached): the mean in ``q0``'s standard deviations (``m = m0 + L0 u``, ``L0``
+  the Cholesky factor of ``q0``'s covariance) and the scale in logs (mean-field ``log s = log s0 + v``; full
+  covariance ``L = L0 C``, ``diag C = exp(v)``).  A global site after many data points has precisions spread
+  over decades (1..1e4 and more); unwhitened, the problem's condition number is that spread and L-BFGS stalls.
+  For mean-field Gaussians and a divergence that is a sum over coordinates (KL, weighted KL, reverse KL,
+  Alpha-Renyi) the coordinates are further scaled per coordinate by the 2x2 Hessian blocks at the centre
+  (two Hessian-vector products), for full covariance (up to :attr:`ServerGVIStep.DENSE_HESSIAN_DIM` coordinates)
+  by the dense Hessian, so that L-BFGS starts as Newton's method; such a run re-centres (new whitening and Hessian)
+  whenever it has moved :attr:`ServerGVIStep.RECENTRE` from its centre (or every
+  :attr:`ServerGVIStep.RECENTRE_ITERATIONS` iterations).  A line-search trial point outside
+  the divergence's domain (Alpha-Renyi with alpha > 1 or < 0) or the representable family is rejected (its
+  objective is ``+inf``, the search backs off); only the start itself must be in the domain, and a run whose
+  line searches end against the domain's boundary without converging says so.
 * ``D_s`` = Fisher-Rao: the distance is a cone at ``q = prior`` (not differentiable there), so when the
   prior is the minimiser no gradient vanishes and L-BFGS cannot certify it.  The prior's subgradient
   optimality condition is tested first (:func:`fisher_rao_prior_dual_norm`); if it holds the prior is
   returned exactly, unless the optimiser started from the KL solution finds a lower objective (the
   objective is not convex; see :meth:`ServerGVIStep._prior_unless_beaten`).
 
-Tolerance of the numerical path: L-BFGS runs until the largest absolute entry of the gradient of the
-objective with respect to the unconstrained parameters (locations, raw scales / Cholesky entries) is below
-``tolerance_grad`` (default ``1e-9``) or the objective changes by less than ``tolerance_change`` (default
-``1e-13``) between iterations, for at most ``max_rounds`` restarts of ``max_iter`` iterations.
-If the gradient is then still above ``fail_grad`` (default ``1e-5``) a :class:`ServerOptimisationError` is
-raised (a :class:`~common.errors.PGVIError`: :class:`~common.factors.PGVIServerState` rejects the update
-batch and keeps its state).  In float64 the objective's rounding (~1e-15 relative) limits the reachable
-gradient to about ``1e-7``-``1e-8``, i.e. natural parameters accurate to about ``1e-7`` relative; the
-tests check the optimiser against the closed forms to ``1e-6``.  ``ServerGVIStep.last_info`` records
-the L-BFGS rounds, the final gradient and objective.
+Tolerance of the numerical path, scale-aware.  Convergence is judged in the whitened coordinates of the current
+point (the mean in its standard deviations, the scale in logs), where each parameter's error is measured in its own
+units: where the Hessian ``H`` is at hand (mean-field with a separable divergence: its 2x2 blocks; full covariance
+up to :attr:`ServerGVIStep.DENSE_HESSIAN_DIM` coordinates: dense) by the largest entry of the Newton step ``H^{-1} g``
+and of ``H^{-1/2} g`` (whose squared norm is the Newton decrement; a Newton step alone is tiny also at a point pressed
+against a log barrier), i.e. relative to the objective's curvature, else by the largest entry of the gradient ``g``
+(``dF/du = L^T
+dF/dm``: the mean's gradient times its standard deviation; ``dF/dv``: the log scale's), an estimate of the same for
+an objective whose curvature in these coordinates is O(1) (a site-dominated posterior).  Neither depends on the
+scale of a parameter or on the spread of the site's precisions.  L-BFGS runs until that measure is below
+``tolerance_grad`` (default ``1e-9``) or a step moves by at most ``tolerance_change`` (default ``1e-13``, in the
+optimiser's coordinates) or the line search finds no acceptable point (the rounding floor), for at most
+``max_rounds`` rounds of ``max_iter`` iterations, each round re-whitened (and re-preconditioned) at the point
+reached.  If the measure at the returned point is then above ``fail_grad`` (default ``1e-5``) a
+:class:`ServerOptimisationError` is raised (a :class:`~common.errors.PGVIError`:
+:class:`~common.factors.PGVIServerState` rejects the update batch and keeps its state); so is an objective that
+falls to ``-inf`` or towards the edge of the representable family (unbounded below).  The tests check the result
+against independent solutions to ``1e-7`` (standard deviations for the mean, relative for the variance).
+``ServerGVIStep.last_info`` records the rounds, re-centrings, iterations, the final whitened gradient
+(``grad_max``), convergence measure (``newton_max``) and objective.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from common.divergences import AlphaRenyi, Divergence, FisherRao, WeightedKL, make_divergence
+from common.divergences import KL, AlphaRenyi, Divergence, FisherRao, ReverseKL, WeightedKL, make_divergence
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
 from common.factors import ServerStep, kl_server_step
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
@@ -50,7 +72,7 @@ from common.variational import (
     FullCovarianceVariational,
     MeanFieldVariational,
     VariationalGaussian,
-    variational_for,
+    _covariance_cholesky,
 )
 
 METHODS = ("auto", "optimise")
@@ -88,8 +110,233 @@ def server_objective(divergence: Divergence, prior: GaussianFactor, global_site:
     return expected_site_loss(q, global_site) + divergence(q.distribution(), prior)
 
 
+# ==================================================================================================
+# coordinates of the optimiser
+class _Chart:
+    """Unconstrained coordinates of the family around a proper ``centre`` ``q0``.
+
+    *Whitened* coordinates ``x`` (``0`` at the centre) measure the mean in ``q0``'s standard deviations (its Cholesky
+    factor) and the scale in logs.  The optimiser moves ``z`` with ``x = P z``, ``P`` a preconditioner (the identity,
+    or from the Hessian ``H`` of the objective in ``x`` at the centre, ``P P^T = H^{-1}``, so that the Hessian in ``z``
+    is the identity there and L-BFGS starts as Newton's method).
+
+    ``check(z)``: whether ``z`` gives a representable distribution (finite moments, scales above ``min_scale``);
+    ``factor(z)``: the distribution (differentiable); ``site_loss(z)``: ``E_q[l_s]``; for a gradient ``g`` in ``z``:
+    ``whitened(g) = P^{-T} g``, the gradient in ``x``, and ``newton(g) = P g``, the Newton step in ``x`` (with the
+    preconditioner's Hessian; the gradient itself without one)."""
+
+    dim: int
+    has_hessian = False
+
+    def check(self, z: Tensor) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def factor(self, z: Tensor) -> GaussianFactor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def site_loss(self, z: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def whitened(self, g: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def newton(self, g: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def measure(self, g: Tensor) -> tuple[float, float]:
+        """``(max |whitened gradient|, convergence measure)`` for the gradient ``g`` in ``z``.  The measure is the
+        larger of ``max |Newton step|`` in whitened coordinates (``P g``: each parameter's distance to the minimiser
+        in its own units) and ``max |g|`` (``g`` in ``z``, whose squared norm is the Newton decrement ``g_x^T H^{-1}
+        g_x``, twice the objective's distance to its minimum for a quadratic): a Newton step alone would call a point
+        converged where the curvature is huge but the model far from quadratic (a coordinate pressed against a
+        log barrier: step ~ distance to the barrier, decrement ~ 1).  Without a Hessian both are the whitened
+        gradient."""
+        return float(self.whitened(g).abs().max()), max(float(self.newton(g).abs().max()), float(g.abs().max()))
+
+
+#: smallest curvature (in whitened coordinates) a preconditioner uses; below it (or where negative) it uses
+#: ``max(|curvature|, floor)``, resp. the identity for a mean-field block
+_CURVATURE_FLOOR = 1e-6
+
+
+class _MeanFieldChart(_Chart):
+    """``x = (u, v)``: ``m = m0 + s0 u``, ``log s = log s0 + v`` per coordinate (``s0`` the centre's standard
+    deviation).  ``P = C^{-T}`` per coordinate with ``C`` lower-triangular 2x2: the identity unless
+    :meth:`precondition` set it to the Cholesky factor of the coordinate's Hessian block ``B = C C^T`` (for an
+    objective that is a sum over coordinates, whose Hessian is block-diagonal)."""
+
+    def __init__(self, centre: MeanFieldGaussian, site: MeanFieldGaussian, min_scale: float) -> None:
+        self.names = list(centre.names)
+        self.shapes = centre.shapes
+        mean, var = centre.mean(), centre.variance()
+        self.m0 = torch.cat([mean[n].detach().reshape(-1) for n in self.names])
+        self.var0 = torch.cat([var[n].detach().reshape(-1) for n in self.names])
+        self.s0 = self.var0.sqrt()
+        self.e1 = torch.cat([site.params[f"eta1/{n}"].reshape(-1) for n in self.names])
+        self.e2 = torch.cat([site.params[f"eta2/{n}"].reshape(-1) for n in self.names])
+        self.n = int(self.m0.numel())
+        self.sizes = [math.prod(self.shapes[n]) for n in self.names]
+        self.dim = 2 * self.n
+        self.min_scale = min_scale
+        self.c11 = self.c22 = torch.ones_like(self.m0)
+        self.c21 = torch.zeros_like(self.m0)
+
+    def precondition(self, huu: Tensor, huv: Tensor, hvv: Tensor) -> None:
+        """Set ``C`` from the Hessian blocks ``[[huu, huv], [huv, hvv]]`` in ``(u, v)``: their Cholesky factor where
+        the block is safely positive definite, the square roots of the diagonal where only that is positive, the
+        identity elsewhere."""
+        floor = _CURVATURE_FLOOR
+        ok = (huu > floor) & (hvv > floor) & torch.isfinite(huu) & torch.isfinite(hvv) & torch.isfinite(huv)
+        a = torch.where(ok, huu, torch.ones_like(huu))
+        c = torch.where(ok, hvv, torch.ones_like(hvv))
+        b = torch.where(ok, huv, torch.zeros_like(huv))
+        b = torch.where(a * c - b * b > 1e-6 * a * c, b, torch.zeros_like(b))
+        self.c11 = a.sqrt()
+        self.c21 = b / self.c11
+        self.c22 = (c - self.c21 * self.c21).sqrt()
+        self.has_hessian = True
+
+    def _p(self, z: Tensor) -> Tensor:
+        zu, zv = z[: self.n], z[self.n:]
+        v = zv / self.c22
+        return torch.cat([(zu - self.c21 * v) / self.c11, v])
+
+    def _moments(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean, log-scale offset ``v`` and variance ``var0 exp(2 v)`` (exactly the centre's at ``z = 0``)."""
+        x = self._p(z)
+        u, v = x[: self.n], x[self.n:]
+        return self.m0 + self.s0 * u, v, self.var0 * torch.exp(2.0 * v)
+
+    def check(self, z: Tensor) -> bool:
+        with torch.no_grad():
+            m, v, var = self._moments(z)
+            scale = self.s0 * torch.exp(v)
+            return bool(torch.isfinite(m).all()) and bool(torch.isfinite(var).all()) and bool(
+                (scale > self.min_scale).all()) and bool(torch.isfinite(1.0 / var).all())
+
+    def factor(self, z: Tensor) -> MeanFieldGaussian:
+        m, _, var = self._moments(z)
+        ms, vs = torch.split(m, self.sizes), torch.split(var, self.sizes)
+        return MeanFieldGaussian.from_mean_variance(
+            {n: x.view(self.shapes[n]) for n, x in zip(self.names, ms)},
+            {n: x.view(self.shapes[n]) for n, x in zip(self.names, vs)})
+
+    def site_loss(self, z: Tensor) -> Tensor:
+        m, _, var = self._moments(z)
+        return -((self.e1 * m).sum() + (self.e2 * (m * m + var)).sum())
+
+    def whitened(self, g: Tensor) -> Tensor:
+        gu, gv = g[: self.n], g[self.n:]
+        return torch.cat([self.c11 * gu, self.c21 * gu + self.c22 * gv])
+
+    def newton(self, g: Tensor) -> Tensor:
+        return self._p(g)
+
+
+class _FullCovarianceChart(_Chart):
+    """``x = (u, v, w)``: ``m = m0 + L0 u``, Cholesky factor of the covariance ``L = L0 C`` with ``C`` lower-triangular,
+    ``diag(C) = exp(v)``, strictly lower part ``w``; ``L0`` the centre's Cholesky factor.  ``P`` dense (the identity
+    unless :meth:`precondition` set it from the Hessian)."""
+
+    def __init__(self, centre: FullCovarianceGaussian, site: FullCovarianceGaussian, min_scale: float) -> None:
+        self.d = d = centre.dim
+        self.name = centre.name
+        self.m0 = centre.mean().detach()
+        self.l0 = _covariance_cholesky(centre)
+        self.rows, self.cols = torch.tril_indices(d, d, offset=-1)
+        self.dim = 2 * d + int(self.rows.numel())
+        self.e1 = site.eta1
+        self.e2 = 0.5 * site.eta2 + 0.5 * site.eta2.T
+        self.eye = torch.eye(d, dtype=self.m0.dtype)
+        self.min_scale = min_scale
+        self.p: Tensor | None = None  # x = P z
+        self.p_inv_t: Tensor | None = None  # P^{-T}
+
+    def precondition(self, hessian: Tensor) -> None:
+        """``P = Q diag(lambda')^{-1/2}`` from the eigendecomposition ``H = Q diag(lambda) Q^T`` of the Hessian in
+        ``x``, ``lambda' = max(|lambda|, floor)`` (a descent direction also where ``H`` is not positive definite)."""
+        lam, q = torch.linalg.eigh(0.5 * (hessian + hessian.T))
+        lam = lam.abs().clamp_min(_CURVATURE_FLOOR)
+        self.p = q * lam.rsqrt()
+        self.p_inv_t = q * lam.sqrt()
+        self.has_hessian = True
+
+    def _moments(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        d = self.d
+        x = z if self.p is None else self.p @ z
+        u, v, w = x[:d], x[d: 2 * d], x[2 * d:]
+        c = torch.diag(torch.exp(v)) + torch.zeros(d, d, dtype=z.dtype).index_put((self.rows, self.cols), w)
+        return self.m0 + self.l0 @ u, self.l0 @ c
+
+    def check(self, z: Tensor) -> bool:
+        with torch.no_grad():
+            m, low = self._moments(z)
+            return bool(torch.isfinite(m).all()) and bool(torch.isfinite(low).all()) and bool(
+                (torch.diagonal(low) > self.min_scale).all())
+
+    def factor(self, z: Tensor) -> FullCovarianceGaussian:
+        m, low = self._moments(z)
+        linv = torch.linalg.solve_triangular(low, self.eye, upper=False)
+        lam = linv.T @ linv
+        lam = 0.5 * (lam + lam.T)
+        return FullCovarianceGaussian(lam @ m, -0.5 * lam, name=self.name)
+
+    def site_loss(self, z: Tensor) -> Tensor:
+        m, low = self._moments(z)
+        return -((self.e1 * m).sum() + (self.e2 * (low @ low.T + torch.outer(m, m))).sum())
+
+    def whitened(self, g: Tensor) -> Tensor:
+        return g if self.p_inv_t is None else self.p_inv_t @ g
+
+    def newton(self, g: Tensor) -> Tensor:
+        return g if self.p is None else self.p @ g
+
+
+def _chart(centre: GaussianFactor, site: GaussianFactor, min_scale: float) -> _Chart:
+    if isinstance(centre, MeanFieldGaussian):
+        assert isinstance(site, MeanFieldGaussian)
+        return _MeanFieldChart(centre, site, min_scale)
+    if isinstance(centre, FullCovarianceGaussian):
+        assert isinstance(site, FullCovarianceGaussian)
+        return _FullCovarianceChart(centre, site, min_scale)
+    raise TypeError(f"server GVI step: unsupported family {type(centre).__name__}")
+
+
+#: divergences that are a sum over the coordinates of a mean-field Gaussian (their Hessian is block-diagonal)
+_SEPARABLE = (KL, WeightedKL, ReverseKL, AlphaRenyi)
+
+
+class _Unbounded(Exception):
+    """Internal: the objective decreased towards the edge of the representable family (or to -inf)."""
+
+
+@dataclass
+class _Trial:
+    """One evaluation: ``f`` and ``g`` (gradient in ``z``), or ``f = inf`` and ``why`` for a rejected trial point
+    (``"domain"``: outside the divergence's domain; ``"family"``: not a representable distribution)."""
+
+    f: float
+    g: Tensor | None = None
+    why: str | None = None
+
+
 class ServerGVIStep:
     """A :data:`~common.factors.ServerStep` for an arbitrary server divergence (see the module docstring)."""
+
+    #: line search: sufficient decrease, curvature (strong Wolfe); approximate-Wolfe decrease parameter
+    C1, C2, DELTA = 1e-4, 0.9, 0.1
+    MAX_LINE_SEARCH = 60
+    HISTORY = 50
+    #: largest first step of a round, in (preconditioned) whitened units
+    FIRST_STEP = 10.0
+    #: a preconditioned round re-centres (new whitening and Hessian) once this far from its centre (in ``z``), or
+    #: after this many iterations
+    RECENTRE = 1.0
+    RECENTRE_ITERATIONS = 20
+    #: the largest full-covariance problem (number of coordinates, ``2 d + d (d - 1) / 2``) preconditioned with its
+    #: dense Hessian (``d = 15``; the Hessian costs ~15-30 evaluations of the objective there); larger ones are only
+    #: whitened
+    DENSE_HESSIAN_DIM = 135
 
     def __init__(
         self,
@@ -125,6 +372,8 @@ class ServerGVIStep:
         self.tolerance_change = float(tolerance_change)
         self.n_evals = 0
         self.min_scale = float(min_scale)
+        if not (math.isfinite(self.min_scale) and self.min_scale >= 0.0):
+            raise ValueError(f"make_server_step: min_scale must be a finite number >= 0, got {min_scale!r}")
         self.last_info: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -155,41 +404,37 @@ class ServerGVIStep:
             dual = fisher_rao_prior_dual_norm(prior64, site64)
             if dual is not None and dual <= 1.0:
                 return self._prior_unless_beaten(prior, prior64, site64, dual)
-        q, _ = self._start(prior64, site64)
-        self.last_info = self._minimise(prior64, site64, q, {"best": math.inf})
-        with torch.no_grad():
-            out = q.distribution().detach()
+        start, _ = self._start(prior64, site64)
+        out, self.last_info = self._minimise(prior64, site64, start, {"best": math.inf})
         return out.to(dtype).check_finite("server posterior").check_proper("server posterior")
 
-    def _start(self, prior64: GaussianFactor, site64: GaussianFactor) -> tuple[VariationalGaussian, bool]:
+    def _start(self, prior64: GaussianFactor, site64: GaussianFactor) -> tuple[GaussianFactor, bool]:
         """The starting point of the optimiser and whether it is the prior.
 
-        The KL solution ``prior * global_site``, unless that is improper, or the objective or its gradient there
-        is undefined (outside the divergence's domain: Alpha-Renyi with alpha > 1 and a q much wider than the
-        prior) or not finite, or (Alpha-Renyi with alpha > 1 or < 0) it lies on the boundary of the domain to
-        rounding: a combined precision ``alpha Lambda_q + (1 - alpha) Lambda_p`` that is 0 but for rounding gives
-        a finite objective whose gradient is ~1/rounding, from which L-BFGS cannot move.  Then the prior, where
-        every divergence is 0 and every Alpha-Renyi combination is the prior's own precision.
+        The KL solution ``prior * global_site``, unless that is improper, not representable (a scale at or below
+        ``min_scale``), or the objective or its gradient there is undefined (outside the divergence's domain:
+        Alpha-Renyi with alpha > 1 and a q much wider than the prior) or not finite, or (Alpha-Renyi with alpha > 1
+        or < 0) it lies on the boundary of the domain to rounding: a combined precision ``alpha Lambda_q + (1 -
+        alpha) Lambda_p`` that is 0 but for rounding gives a finite objective whose gradient is ~1/rounding.  Then
+        the prior, where every divergence is 0 and every Alpha-Renyi combination is the prior's own precision.
         """
         start = prior64 * site64
-        if start.is_proper():
-            q = variational_for(start, min_scale=self.min_scale, dtype=torch.float64)
-            if self._usable_start(q, prior64, site64):
-                return q, False
-        return variational_for(prior64, min_scale=self.min_scale, dtype=torch.float64), True
+        if start.is_proper() and self._usable_start(start, prior64, site64):
+            return start, False
+        return prior64, True
 
-    def _usable_start(self, q: VariationalGaussian, prior64: GaussianFactor, site64: GaussianFactor) -> bool:
+    def _usable_start(self, start: GaussianFactor, prior64: GaussianFactor, site64: GaussianFactor) -> bool:
         try:
-            value = server_objective(self.divergence, prior64, site64, q)
-            grads = torch.autograd.grad(value, list(q.parameters()), allow_unused=True)
-        except PGVIError:
+            chart = _chart(start, site64, self.min_scale)
+            trial = self._evaluate(chart, torch.zeros(chart.dim, dtype=torch.float64), prior64, None)
+        except (PGVIError, ValueError, RuntimeError, _Unbounded):  # moments or a factorisation failing on extremes
             return False
-        if not (bool(torch.isfinite(value)) and all(bool(torch.isfinite(g).all()) for g in grads if g is not None)):
+        if trial.why is not None:
             return False
         if isinstance(self.divergence, AlphaRenyi) and not 0.0 < self.divergence.alpha < 1.0:
             try:
                 with torch.no_grad():
-                    margin = alpha_renyi_margin(q.distribution(), prior64, self.divergence.alpha)
+                    margin = alpha_renyi_margin(start, prior64, self.divergence.alpha)
             except (PGVIError, RuntimeError, ValueError):  # a factorisation failing on extreme values
                 return False
             if not margin > DOMAIN_MARGIN:
@@ -218,11 +463,11 @@ class ServerGVIStep:
         if all(bool((v == 0).all()) for v in site64.params.values()):  # no site (the initial step): D alone
             self.last_info = info
             return prior.clone()
-        q, at_prior = self._start(prior64, site64)
+        start, at_prior = self._start(prior64, site64)
         if not at_prior:
             seen = {"best": math.inf}
             try:
-                run = self._minimise(prior64, site64, q, seen)
+                out, run = self._minimise(prior64, site64, start, seen)
             except ServerOptimisationError as err:
                 if seen["best"] < prior_value - tol:
                     raise ServerOptimisationError(
@@ -234,79 +479,344 @@ class ServerGVIStep:
             else:
                 if run["objective"] < prior_value - tol:
                     self.last_info = {**run, "fisher_rao_dual_norm": dual, "prior_objective": prior_value}
-                    with torch.no_grad():
-                        out = q.distribution().detach()
                     return out.to(prior.dtype).check_finite("server posterior").check_proper("server posterior")
                 info["explored"] = f"converged to objective {run['objective']:.6g}, not below the prior's"
         self.last_info = info
         return prior.clone()
 
-    def _minimise(self, prior64: GaussianFactor, site64: GaussianFactor, q: VariationalGaussian,
-                  seen: dict[str, float]) -> dict[str, Any]:
-        """Optional Adam steps then L-BFGS on ``q`` in place; returns the run's info, raises
+    # ----------------------------------------------------------------------------------------------
+    # the objective
+    def _evaluate(self, chart: _Chart, z: Tensor, prior64: GaussianFactor, seen: dict[str, float] | None) -> _Trial:
+        """The objective and its gradient at ``z``; a point outside the divergence's domain or the representable
+        family is a rejected trial (``f = inf``), never an error.  ``-inf`` raises :class:`_Unbounded`."""
+        self.n_evals += 1
+        if not chart.check(z):
+            return _Trial(math.inf, why="family")
+        z = z.detach().requires_grad_(True)
+        try:
+            q = chart.factor(z)
+            div = self.divergence
+            if isinstance(div, AlphaRenyi) and not 0.0 < div.alpha < 1.0:  # the domain, on values (no graph)
+                mix = q.detach().combine(prior64, div.alpha, 1.0 - div.alpha)
+                if mix.improper_detail() is not None:
+                    return _Trial(math.inf, why="domain")
+            value = chart.site_loss(z) + div(q, prior64)
+        except DivergenceUndefinedError:
+            return _Trial(math.inf, why="domain")
+        except (ImproperDistributionError, NonFiniteError, torch.linalg.LinAlgError):
+            return _Trial(math.inf, why="family")
+        f = float(value.detach())
+        if f == -math.inf:
+            raise _Unbounded("the objective is -inf")
+        if not math.isfinite(f):
+            return _Trial(math.inf, why="family")
+        (g,) = torch.autograd.grad(value, z)
+        if not bool(torch.isfinite(g).all()):
+            return _Trial(math.inf, why="family")
+        if seen is not None and f < seen["best"]:
+            seen["best"] = f
+        return _Trial(f, g.detach())
+
+    def _precondition(self, chart: _Chart, prior64: GaussianFactor) -> str:
+        """Set ``chart``'s preconditioner from the Hessian of the objective at its centre, where that is affordable:
+
+        * mean-field and a divergence that is a sum over coordinates: the 2x2 blocks of the (block-diagonal) Hessian,
+          from two Hessian-vector products with the all-``u`` and all-``v`` patterns;
+        * full covariance with at most :attr:`DENSE_HESSIAN_DIM` coordinates: the dense Hessian.
+
+        Returns ``"done"``, ``"failed"`` (the Hessian is not finite here, e.g. the full-covariance Alpha-Renyi form at
+        ``q = prior``, whose eigenvalues are all equal: try again at the next centre) or ``"n/a"``."""
+        objective = self._objective_of(chart, prior64)
+        z = torch.zeros(chart.dim, dtype=torch.float64, requires_grad=True)
+        try:
+            if isinstance(chart, _MeanFieldChart):
+                if not isinstance(self.divergence, _SEPARABLE):
+                    return "n/a"
+                n = chart.n
+                (g,) = torch.autograd.grad(objective(z), z, create_graph=True)
+                pattern = torch.zeros(chart.dim, dtype=torch.float64)
+                pattern[:n] = 1.0
+                (hu,) = torch.autograd.grad(g, z, grad_outputs=pattern, retain_graph=True)
+                (hv,) = torch.autograd.grad(g, z, grad_outputs=1.0 - pattern)
+                self.n_evals += 1
+                chart.precondition(hu[:n].detach(), 0.5 * (hu[n:] + hv[:n]).detach(), hv[n:].detach())
+                return "done"
+            if isinstance(chart, _FullCovarianceChart) and chart.dim <= self.DENSE_HESSIAN_DIM:
+                hessian = torch.autograd.functional.hessian(objective, z.detach(), vectorize=True)
+                self.n_evals += 1
+                if not bool(torch.isfinite(hessian).all()):
+                    return "failed"
+                chart.precondition(hessian)
+                return "done"
+        except (PGVIError, RuntimeError):
+            return "failed"
+        return "n/a"
+
+    def _objective_of(self, chart: _Chart, prior64: GaussianFactor):  # noqa: ANN202
+        return lambda z: chart.site_loss(z) + self.divergence(chart.factor(z), prior64)
+
+    # ----------------------------------------------------------------------------------------------
+    # the optimiser
+    def _minimise(self, prior64: GaussianFactor, site64: GaussianFactor, start: GaussianFactor,
+                  seen: dict[str, float]) -> tuple[GaussianFactor, dict[str, Any]]:
+        """Minimise the objective from ``start``: up to ``max_rounds`` rounds of at most ``max_iter`` (preconditioned)
+        L-BFGS iterations, each in coordinates whitened (and preconditioned) around the point the last one reached; a
+        preconditioned round also re-centres whenever it has moved :attr:`RECENTRE` from its centre (a Newton-like
+        outer iteration within the round's iterations).  Returns the minimiser and the run's info; raises
         :class:`ServerOptimisationError` if it does not converge.  ``seen["best"]`` is lowered to every finite
         objective value evaluated."""
-        params = list(q.parameters())
-
-        def objective() -> Tensor:
-            return server_objective(self.divergence, prior64, site64, q)
-
-        def record(value: Tensor) -> None:
-            v = float(value.detach())
-            if v < seen["best"]:
-                seen["best"] = v
-
-        if self.adam_steps:
-            adam = torch.optim.Adam(params, lr=self.adam_lr)
-            for _ in range(self.adam_steps):
-                adam.zero_grad(set_to_none=True)
-                value = objective()
-                if not bool(torch.isfinite(value)):
-                    raise ServerOptimisationError(f"non-finite server objective ({float(value)}) in Adam")
-                record(value)
-                value.backward()
-                adam.step()
-
-        lbfgs = torch.optim.LBFGS(
-            params, lr=1.0, max_iter=self.max_iter, history_size=50, tolerance_grad=self.tolerance_grad,
-            tolerance_change=self.tolerance_change, line_search_fn="strong_wolfe",
-        )
-
-        def closure() -> Tensor:
-            lbfgs.zero_grad(set_to_none=True)
-            self.n_evals += 1
-            value = objective()
-            if not bool(torch.isfinite(value)):
-                raise ServerOptimisationError(f"non-finite server objective ({float(value.detach())}) in L-BFGS")
-            record(value)
-            value.backward()
-            return value
-
-        grad_max = float("inf")
-        rounds = 0
+        centre = start
+        iterations, rounds, recentred, in_round, stop = 0, 1, 0, 0, ""
+        adam_pending = self.adam_steps > 0
+        rejected: set[str] = set()
         try:
-            for rounds in range(1, self.max_rounds + 1):
-                lbfgs.step(closure)
-                grad_max = _grad_max(params, objective)
-                if grad_max <= self.tolerance_grad:
-                    break
-        except DivergenceUndefinedError:
-            raise
-        except (ImproperDistributionError, NonFiniteError) as err:
+            while True:
+                chart = _chart(centre, site64, self.min_scale)
+                preconditioned = self._precondition(chart, prior64)
+                z = torch.zeros(chart.dim, dtype=torch.float64)
+                here = self._evaluate(chart, z, prior64, seen)
+                if here.why is not None:
+                    raise ServerOptimisationError(
+                        f"server GVI step ({self.divergence!r}): the objective is not defined at the "
+                        f"{'start' if iterations == 0 else 'point reached'} ({here.why})")
+                assert here.g is not None
+                grad_max, newton_max = chart.measure(here.g)
+                if newton_max <= self.tolerance_grad or (stop and stop != "recentre"):
+                    break  # converged, or (after the last round) the convergence test at the point returned
+                if adam_pending:
+                    z, here = self._adam(chart, prior64, z, here, seen)
+                    adam_pending = False
+                z, here, its, stop, why = self._lbfgs(chart, prior64, z, here, seen, self.max_iter - in_round,
+                                                      math.inf if preconditioned == "n/a" else self.RECENTRE)
+                iterations += its
+                in_round += its
+                rejected |= why
+                with torch.no_grad():
+                    centre = chart.factor(z).detach()
+                if stop == "recentre" and in_round < self.max_iter:
+                    recentred += 1
+                    continue
+                if stop != "tolerance_grad reached" and rounds < self.max_rounds:
+                    rounds, in_round, stop = rounds + 1, 0, ""
+        except _Unbounded as err:
             raise ServerOptimisationError(
                 f"server GVI step ({self.divergence!r}) left the family of distributions ({err}); the server "
                 "objective may be unbounded below (e.g. a global site with negative precision and a divergence "
                 "that grows only logarithmically in the variance, such as Alpha-Renyi with alpha < 1)"
-            ) from err
-        info = {"path": "optimise", "lbfgs_rounds": rounds, "grad_max": grad_max,
-                "objective": float(objective().detach())}
-        self.last_info = info
-        if not grad_max <= self.fail_grad:
+            ) from None
+        info = {"path": "optimise", "lbfgs_rounds": rounds, "recentred": recentred, "iterations": iterations,
+                "grad_max": grad_max, "newton_max": newton_max, "objective": here.f, "stop": stop or "converged",
+                "preconditioned": chart.has_hessian}
+        if not newton_max <= self.fail_grad:
+            hint = ""
+            if "domain" in rejected:
+                hint = ("; line searches were cut short by the boundary of the divergence's domain (the minimiser may "
+                        "lie on it)")
+            elif "family" in rejected:
+                hint = "; line searches left the family of distributions (the objective may be unbounded below)"
             raise ServerOptimisationError(
-                f"server GVI step ({self.divergence!r}) did not converge: max |gradient| {grad_max:.3g} > "
-                f"{self.fail_grad:.3g} after {rounds} L-BFGS rounds of {self.max_iter} iterations"
+                f"server GVI step ({self.divergence!r}) did not converge: max |Newton step, decrement| "
+                f"{newton_max:.3g} > {self.fail_grad:.3g} (max |gradient| {grad_max:.3g}; whitened coordinates, "
+                f"{'with' if chart.has_hessian else 'without'} the Hessian) after {rounds} L-BFGS rounds of at most "
+                f"{self.max_iter} iterations ({stop}){hint}"
             )
-        return info
+        return centre, info
+
+    def _adam(self, chart: _Chart, prior64: GaussianFactor, z: Tensor, here: _Trial,
+              seen: dict[str, float]) -> tuple[Tensor, _Trial]:
+        """Optional Adam steps in the chart's coordinates; a step to a rejected point ends them (kept where it was)."""
+        x = z.clone().requires_grad_(True)
+        adam = torch.optim.Adam([x], lr=self.adam_lr)
+        for _ in range(self.adam_steps):
+            assert here.g is not None
+            x.grad = here.g.clone()
+            before = x.detach().clone()
+            adam.step()
+            trial = self._evaluate(chart, x.detach(), prior64, seen)
+            if trial.why is not None:
+                with torch.no_grad():
+                    x.copy_(before)
+                break
+            here = trial
+        return x.detach().clone(), here
+
+    def _lbfgs(self, chart: _Chart, prior64: GaussianFactor, z: Tensor, here: _Trial, seen: dict[str, float],
+               max_iter: int, radius: float) -> tuple[Tensor, _Trial, int, str, set[str]]:
+        """L-BFGS from ``z`` (with the trial ``here`` there) for at most ``max_iter`` iterations, with a line search
+        that treats a rejected trial point as ``+inf`` (it backs off).  Stops (``"recentre"``) once ``z`` is more than
+        ``radius`` from the centre, or (finite ``radius``) after :attr:`RECENTRE_ITERATIONS` iterations (a
+        preconditioner from the centre's Hessian is then stale; near a log barrier the Hessian changes within a
+        small step).  Returns ``(z, trial, iterations, why it stopped, kinds of rejected trial points seen)``."""
+        s_hist: list[Tensor] = []
+        y_hist: list[Tensor] = []
+        rejected: set[str] = set()
+        stop = f"max_iter {self.max_iter} reached"
+        it = 0
+        for it in range(1, max_iter + 1):
+            g = here.g
+            assert g is not None
+            if chart.measure(g)[1] <= self.tolerance_grad:
+                stop = "tolerance_grad reached"
+                it -= 1
+                break
+            d = _two_loop(g, s_hist, y_hist)
+            gd = float(g @ d)
+            if not (math.isfinite(gd) and gd < 0):
+                s_hist.clear()
+                y_hist.clear()
+                d, gd = -g, -float(g @ g)
+            t0 = 1.0
+            if not s_hist:
+                t0 = min(1.0, self.FIRST_STEP / float(d.abs().max()))
+            t, new, why = self._line_search(chart, prior64, z, here, d, gd, t0, seen)
+            rejected |= why
+            if new is None:
+                stop = "line search found no acceptable point"
+                break
+            assert new.g is not None
+            step = t * d
+            y = new.g - g
+            sy = float(step @ y)
+            if sy > 1e-12 * math.sqrt(float(step @ step) * float(y @ y)):
+                s_hist.append(step)
+                y_hist.append(y)
+                if len(s_hist) > self.HISTORY:
+                    s_hist.pop(0)
+                    y_hist.pop(0)
+            z, here = z + step, new
+            if float(step.abs().max()) <= self.tolerance_change:
+                stop = "step below tolerance_change"
+                break
+            if float(z.abs().max()) > radius or (math.isfinite(radius) and it >= self.RECENTRE_ITERATIONS):
+                stop = "recentre"
+                break
+        return z, here, it, stop, rejected
+
+    def _line_search(self, chart: _Chart, prior64: GaussianFactor, z: Tensor, here: _Trial, d: Tensor, gd0: float,
+                     t0: float, seen: dict[str, float]) -> tuple[float, _Trial | None, set[str]]:
+        """A Wolfe line search along ``d`` from ``z`` (bracketing, then zoom by safeguarded cubic interpolation).
+
+        A trial point outside the domain or the family is ``+inf``: the search backs off towards the last good
+        point (by bisection).  A point is accepted under the strong Wolfe conditions, or under the approximate
+        Wolfe conditions of Hager and Zhang (a slope condition that implies sufficient decrease for a quadratic and
+        tolerates the rounding of the objective, which near the minimum of a large sum exceeds the decrease).  If
+        no point is accepted the point with the lowest objective that satisfies the sufficient-decrease condition
+        is returned, if any.  If the search ends against the edge of the representable family with the objective
+        still falling, the objective is taken to be unbounded below (:class:`_Unbounded`)."""
+        f0 = here.f
+        c1, c2, delta = self.C1, self.C2, self.DELTA
+        eps_f = 1e-12 * (1.0 + abs(f0))
+        rejected: set[str] = set()
+
+        def phi(t: float) -> tuple[_Trial, float]:
+            trial = self._evaluate(chart, z + t * d, prior64, seen)
+            if trial.why is not None:
+                rejected.add(trial.why)
+                return trial, math.nan
+            assert trial.g is not None
+            return trial, float(trial.g @ d)
+
+        def armijo(t: float, f: float) -> bool:
+            return f <= f0 + c1 * t * gd0
+
+        def accept(t: float, f: float, gd: float) -> bool:
+            if armijo(t, f) and abs(gd) <= -c2 * gd0:
+                return True
+            return f <= f0 + eps_f and c2 * gd0 <= gd <= (2.0 * delta - 1.0) * gd0
+
+        n_eval = 0
+        lo: tuple[float, _Trial, float] = (0.0, here, gd0)  # best point satisfying sufficient decrease
+        hi: tuple[float, _Trial | None, float] | None = None
+        t = t0
+        t_bad = math.inf
+        hi_why: str | None = None  # why hi, if a rejected trial point, was rejected
+        # bracketing
+        while n_eval < self.MAX_LINE_SEARCH:
+            n_eval += 1
+            trial, gd = phi(t)
+            if trial.why is not None:
+                t_bad = t
+                hi, hi_why = (t, None, math.nan), trial.why
+                if lo[0] > 0.0:
+                    break  # zoom between the last good point and this one
+                t = 0.25 * t
+                continue
+            if accept(t, trial.f, gd):
+                return t, trial, rejected
+            if not armijo(t, trial.f) or trial.f >= lo[1].f:
+                hi = (t, trial, gd)
+                break
+            if gd >= 0.0:
+                hi = lo
+                lo = (t, trial, gd)
+                break
+            lo = (t, trial, gd)
+            hi = None
+            t = 4.0 * t if not math.isfinite(t_bad) else 0.5 * (t + t_bad)
+        # zoom: lo has the lowest objective found with sufficient decrease, hi on the other side of a minimiser
+        while hi is not None and n_eval < self.MAX_LINE_SEARCH:
+            a, b = lo[0], hi[0]
+            if abs(b - a) <= 1e-14 * max(abs(a), abs(b)):
+                break
+            t = 0.5 * (a + b)
+            if hi[1] is not None:
+                cubic = _cubic_min(a, lo[1].f, lo[2], b, hi[1].f, hi[2])
+                lo_t, hi_t = min(a, b), max(a, b)
+                margin = 0.1 * (hi_t - lo_t)
+                if cubic is not None and lo_t + margin <= cubic <= hi_t - margin:
+                    t = cubic
+            n_eval += 1
+            trial, gd = phi(t)
+            if trial.why is not None:
+                hi, hi_why = (t, None, math.nan), trial.why
+                continue
+            if accept(t, trial.f, gd):
+                return t, trial, rejected
+            if not armijo(t, trial.f) or trial.f >= lo[1].f:
+                hi = (t, trial, gd)
+            else:
+                if gd * (b - a) >= 0.0:
+                    hi = lo
+                lo = (t, trial, gd)
+        if lo[0] > 0.0:
+            if hi is not None and hi[1] is None and hi_why == "family" and lo[2] < 0.0 and lo[1].f < f0:
+                # still falling where the family ends (a variance or mean beyond the float range)
+                raise _Unbounded(f"the objective fell to {lo[1].f:.6g} towards the edge of the representable family")
+            return lo[0], lo[1], rejected
+        return 0.0, None, rejected
+
+
+def _two_loop(g: Tensor, s_hist: list[Tensor], y_hist: list[Tensor]) -> Tensor:
+    """The L-BFGS direction ``-H g`` (two-loop recursion; initial ``H`` scaled by the latest ``s.y / y.y``)."""
+    q = g.clone()
+    alphas = []
+    rhos = [1.0 / float(s @ y) for s, y in zip(s_hist, y_hist)]
+    for s, y, rho in zip(reversed(s_hist), reversed(y_hist), reversed(rhos)):
+        a = rho * float(s @ q)
+        alphas.append(a)
+        q -= a * y
+    if s_hist:
+        q *= float(s_hist[-1] @ y_hist[-1]) / float(y_hist[-1] @ y_hist[-1])
+    for s, y, rho, a in zip(s_hist, y_hist, rhos, reversed(alphas)):
+        b = rho * float(y @ q)
+        q += (a - b) * s
+    return -q
+
+
+def _cubic_min(a: float, fa: float, ga: float, b: float, fb: float, gb: float) -> float | None:
+    """The minimiser of the cubic through ``(a, fa, ga)`` and ``(b, fb, gb)`` (values and slopes), if it exists."""
+    if a == b:
+        return None
+    d1 = ga + gb - 3.0 * (fa - fb) / (a - b)
+    disc = d1 * d1 - ga * gb
+    if not (math.isfinite(disc) and disc >= 0.0):
+        return None
+    d2 = math.copysign(math.sqrt(disc), b - a)
+    den = gb - ga + 2.0 * d2
+    if den == 0.0:
+        return None
+    t = b - (b - a) * (gb + d2 - d1) / den
+    return t if math.isfinite(t) else None
 
 
 def _symmetric_part(site: GaussianFactor) -> GaussianFactor:
@@ -316,14 +826,6 @@ def _symmetric_part(site: GaussianFactor) -> GaussianFactor:
         e2 = site.eta2
         return FullCovarianceGaussian(site.eta1, 0.5 * e2 + 0.5 * e2.T, name=site.name)
     return site
-
-
-def _grad_max(params: list[torch.nn.Parameter], objective: Any) -> float:
-    for p in params:
-        p.grad = None
-    value = objective()
-    grads = torch.autograd.grad(value, params, allow_unused=True)
-    return max(float(g.abs().max()) for g in grads if g is not None)
 
 
 #: Relative margin of an Alpha-Renyi combined precision below which a start counts as on the domain's boundary.
