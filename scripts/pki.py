@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import ipaddress
 import os
@@ -314,8 +315,16 @@ def _locked(out: Path) -> Iterator[None]:
     Without it, two runs on one fresh directory each create a CA and write their files over each other's,
     leaving a ``ca.crt`` that does not match ``ca.key`` or certificates no CA here issued, and both exit 0.
     The lock file is kept (removing it would let a third run lock a new file while the second holds the
-    old one); the kernel releases the lock when the descriptor is closed, also if the process dies."""
-    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    old one); the kernel releases the lock when the descriptor is closed, also if the process dies.
+
+    A directory this run cannot write (a read-only mount, or another user's PKI that is only reused) has no
+    lock file: the run locks the directory itself instead (it can write nothing there, so it only reads)."""
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

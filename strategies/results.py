@@ -75,6 +75,7 @@ class RoundRecorder:
         self._jsonl = self.out_dir / "metrics.jsonl"
         self._jsonl.write_text("")
         self._columns_shown: list[tuple[str, str, str]] = []
+        self._csv_keys: list[str] | None = None  # the columns of metrics.csv as last written in full
 
     def _columns(self, row: dict[str, float]) -> list[tuple[str, str, str]]:
         return [c for c in _TABLE_COLUMNS if c[0] in row]
@@ -83,7 +84,7 @@ class RoundRecorder:
         self.rows.append(dict(row))
         with self._jsonl.open("a") as f:
             f.write(dumps_json(row) + "\n")
-        self.write_csv()  # every round: a run that stops early (e.g. AllClientsFailed) still leaves its table
+        self._update_csv(row)  # every round: a run that stops early (e.g. AllClientsFailed) still leaves its table
         cols = self._columns(row)
         if cols != self._columns_shown:
             log(INFO, "PGVI | " + " ".join(f"{h:>{len(fmt.format(0.0))}}" for _, h, fmt in cols))
@@ -105,8 +106,21 @@ class RoundRecorder:
         text = dumps_json(extra, indent=2, default=str).encode()
         atomic_write(self.out_dir / "summary.json", lambda f: f.write(text), mode=0o644)
 
+    def _update_csv(self, row: dict[str, float]) -> None:
+        """Append ``row`` to ``metrics.csv`` while its columns are the file's; rewrite the file (atomically) when
+        a new column appears.  Rewriting every round cost O(rounds^2): 35 s over 1,000 rounds of 40 keys.  An
+        appended line is not fsync'd; :meth:`finish` rewrites the whole file atomically."""
+        if self._csv_keys is not None and set(row) <= set(self._csv_keys):
+            buf = io.StringIO(newline="")
+            csv.DictWriter(buf, fieldnames=self._csv_keys).writerow(row)
+            with (self.out_dir / "metrics.csv").open("a", newline="") as f:
+                f.write(buf.getvalue())
+        else:
+            self.write_csv()
+
     def write_csv(self) -> None:
         keys = sorted({k for r in self.rows for k in r}, key=lambda k: (k != "round", k))
+        self._csv_keys = keys
         buf = io.StringIO(newline="")
         w = csv.DictWriter(buf, fieldnames=keys)
         w.writeheader()
