@@ -5,6 +5,7 @@
 # re-run after a stop; a finished run of the same name with other settings stops the command before it runs
 # anything (scripts/experiments.py names the differing keys).
 cd "$(dirname "$0")/.."
+mkdir -p runs/experiments  # runs/ is git-ignored: a fresh clone has no lane-log directory
 E=".venv/bin/python scripts/experiments.py"
 (
   $E fmnist-noise --noise 0.4 --seeds 0 --methods fedgvi pvi fedavg
