@@ -207,6 +207,21 @@ def _run_star(args: tuple[RunSpec, dict, str]) -> RunResult:
     return run_one(*args)
 
 
+def check_attack(attack: str) -> None:
+    """``flip`` or ``scale:<finite number>``, else ``ValueError``: the client runs an unknown fault as an honest
+    update, so a typo (``scale10``, ``fllip``) gave a row identical to the honest run, under an attack's name."""
+    if attack == "flip":
+        return
+    if attack.startswith("scale:"):
+        try:
+            factor = float(attack.split(":", 1)[1])
+        except ValueError:
+            factor = math.nan
+        if math.isfinite(factor):
+            return
+    raise ValueError(f"unknown attack {attack!r}; known: 'flip' and 'scale:<finite number>' (e.g. 'scale:10')")
+
+
 def specs_for(attacks: tuple[str, ...], aggregators: tuple[str, ...], honest_all: bool) -> list[RunSpec]:
     """The runs: honest with plain sum (the reference), honest with every other aggregator if ``honest_all``,
     and every (attack, aggregator)."""
@@ -236,6 +251,8 @@ def run_experiment(
             raise ValueError(f"unknown aggregator '{a}'; known: {', '.join(AGGREGATORS)}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    for attack in attacks:
+        check_attack(attack)
     specs = specs_for(tuple(attacks), tuple(aggregators), honest_all)
     if from_records:
         results = [load_result(s, out_dir) for s in specs]
@@ -339,6 +356,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "byzantine")
     ap.add_argument("--from-records", action="store_true", help="do not run: rebuild the tables from <out>")
     args = ap.parse_args()
+    for attack in (a for a in args.attacks.split(",") if a):
+        try:
+            check_attack(attack)
+        except ValueError as err:
+            ap.error(f"--attacks: {err}")
 
     from scripts.run_inprocess import load_run_config
 

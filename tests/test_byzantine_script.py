@@ -79,3 +79,15 @@ def test_tables_rebuilt_from_the_records_are_the_same(tiny):
     raw, out, rows = tiny
     again = run_experiment(raw, out_dir=out, from_records=True)
     assert again == rows
+
+
+@pytest.mark.parametrize("attack", ["fllip", "scale10", "scale:", "scale:nan", "scale:inf", "nan"])
+def test_an_unknown_attack_is_refused_before_anything_runs(attack, tmp_path):
+    """The client runs an unknown fault as an honest update: a typo gave an honest row under an attack's name."""
+    from scripts import byzantine
+
+    with pytest.raises(ValueError, match="unknown attack"):
+        byzantine.run_experiment({}, (attack,), ("sum",), tmp_path, 1)
+    assert not any(tmp_path.iterdir())
+    for ok in ("flip", "scale:10", "scale:-0.5"):
+        byzantine.check_attack(ok)
