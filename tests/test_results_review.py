@@ -99,26 +99,16 @@ def test_result_files_are_strict_json_and_the_csv_is_written_every_round(tmp_pat
         "final": {"round": 1, "test-nll": None, "test-accuracy": 0.75}, "list": [1.0, None]}
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
+def test_the_log_table_shows_the_pooled_client_metrics(tmp_path, monkeypatch):
+    # the recorder's own log calls, whatever level or handlers other tests left on Flower's logger
+    import strategies.results as results
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def test_the_log_table_shows_the_pooled_client_metrics(tmp_path):
-    # a handler on Flower's own logger: it does not propagate to the root logger caplog listens on
-    flwr_logger, lines = logging.getLogger("flwr"), _Lines()
-    flwr_logger.addHandler(lines)
-    try:
-        rec = RoundRecorder(tmp_path, {})
-        row = {"round": 1, "client-accuracy": 0.91, "client-nll": 0.3456, "client-ece": 0.0789, "client-brier": 0.1234}
-        rec.record(1, row)
-    finally:
-        flwr_logger.removeHandler(lines)
-    text = "\n".join(lines.lines)
+    lines: list[str] = []
+    monkeypatch.setattr(results, "log", lambda level, msg, *args: lines.append(msg % args if args else msg))
+    rec = RoundRecorder(tmp_path, {})
+    row = {"round": 1, "client-accuracy": 0.91, "client-nll": 0.3456, "client-ece": 0.0789, "client-brier": 0.1234}
+    rec.record(1, row)
+    text = "\n".join(lines)
     assert "cli nll" in text and "cli ece" in text and "cli brier" in text
     assert "0.3456" in text and "0.0789" in text and "0.1234" in text
 
