@@ -100,8 +100,7 @@ def expected_site_loss(q: VariationalGaussian, global_site: GaussianFactor) -> T
     second = cov + torch.outer(m, m)
     # <eta2, S> for a symmetric S sees only the symmetric part of eta2; an antisymmetric part contributes 0
     # exactly, not the rounding of a huge sum (a site's antisymmetric 1e12 made every later step fail)
-    eta2 = global_site.eta2
-    return -((global_site.eta1 * m).sum() + ((0.5 * eta2 + 0.5 * eta2.T) * second).sum())
+    return -((global_site.eta1 * m).sum() + (_symmetric_part(global_site).eta2 * second).sum())
 
 
 def server_objective(divergence: Divergence, prior: GaussianFactor, global_site: GaussianFactor,
@@ -246,7 +245,7 @@ class _FullCovarianceChart(_Chart):
         self.rows, self.cols = torch.tril_indices(d, d, offset=-1)
         self.dim = 2 * d + int(self.rows.numel())
         self.e1 = site.eta1
-        self.e2 = 0.5 * site.eta2 + 0.5 * site.eta2.T
+        self.e2 = site.eta2  # symmetric: the step passes _symmetric_part(site)
         self.eye = torch.eye(d, dtype=self.m0.dtype)
         self.min_scale = min_scale
         self.p: Tensor | None = None  # x = P z

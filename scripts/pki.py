@@ -469,13 +469,19 @@ def _check_ca_validity(path: Path, cert: x509.Certificate) -> None:
         )
 
 
+def _check_ca(path: Path, cert: x509.Certificate) -> None:
+    """:class:`PkiError` naming ``path`` unless ``cert`` is a CA certificate (:func:`_check_is_ca`) valid now
+    (:func:`_check_ca_validity`)."""
+    _check_is_ca(path, cert)
+    _check_ca_validity(path, cert)
+
+
 def load_ca_cert(path: str | os.PathLike[str]) -> x509.Certificate:
     """Load ``ca.crt`` and check that it is a CA certificate valid now; :class:`PkiError` naming the file
     otherwise (an ``OSError`` reading it propagates)."""
     path = Path(path)
     cert = _load_cert(path)
-    _check_is_ca(path, cert)
-    _check_ca_validity(path, cert)
+    _check_ca(path, cert)
     return cert
 
 
@@ -563,8 +569,9 @@ def verify_pki_files(
         why = _leaf_problem(cert_p, key_p, ca, (), (), renew_margin_days=0)
         if why is not None:
             raise PkiError(f"{cert_p}: {why} (CA {ca_path})")
-        if _leaf_problem(cert_p, key_p, ca, (), ()) is not None:
-            expiry = x509.load_pem_x509_certificate(cert_p.read_bytes()).not_valid_after_utc
+        # usable: what is left of ensure_pki's reuse test is its renewal margin
+        expiry = _load_cert(cert_p).not_valid_after_utc
+        if expiry - _now() < _dt.timedelta(days=_RENEW_MARGIN_DAYS):
             warnings.append(f"certificate {cert_p} expires on {expiry:%Y-%m-%d} UTC")
     for priv_p, pub_p in node_keys:
         priv_p, pub_p = Path(priv_p), Path(pub_p)
@@ -754,8 +761,7 @@ def _reuse_ca(ca_cert_p: Path, ca_key_p: Path, say) -> tuple[ec.EllipticCurvePri
         ca_key = _load_private_pem(ca_key_p)
         if ca_cert.public_key().public_numbers() != ca_key.public_key().public_numbers():
             raise PkiError(f"{ca_cert_p} does not match {ca_key_p}; use --force to regenerate")
-    _check_is_ca(ca_cert_p, ca_cert)
-    _check_ca_validity(ca_cert_p, ca_cert)
+    _check_ca(ca_cert_p, ca_cert)
     if ca_key is not None:
         _ensure_private_mode(ca_key_p)
         say(f"reuse CA {ca_cert_p}")

@@ -110,10 +110,8 @@ def _strict_int(value: object, key: str) -> int:
 
 def _finite_number(value: object) -> float | None:
     """``value`` as a float if it is a finite real number (not a bool, list or string), else ``None``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    x = float(value)
-    return x if math.isfinite(x) else None
+    x = _metric_number(value)
+    return x if x is not None and math.isfinite(x) else None
 
 
 class AllClientsFailed(RuntimeError):

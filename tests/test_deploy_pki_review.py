@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import os
 import re
@@ -27,30 +26,15 @@ import time
 from pathlib import Path
 
 import pytest
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from client import warm_worker
 from scripts import pki
 from scripts.deploy import Deployment, DeploymentError, ProcInfo
 
+from tests.test_pki_review import _REAL_NOW, _cert, _clock, _key
+
 REPO = Path(__file__).resolve().parents[1]
-_REAL_NOW = pki._now
-
-
-def _cert(path: Path) -> x509.Certificate:
-    return x509.load_pem_x509_certificate(path.read_bytes())
-
-
-def _key(path: Path):
-    return serialization.load_pem_private_key(path.read_bytes(), None)
-
-
-@contextlib.contextmanager
-def _clock(monkeypatch, delta: dt.timedelta):
-    with monkeypatch.context() as m:
-        m.setattr(pki, "_now", lambda: _REAL_NOW() + delta)
-        yield
 
 
 # ----------------------------------------------------------------------------- P4: --certs DIR is validated

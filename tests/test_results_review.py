@@ -16,23 +16,13 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import MetricRecord
 
-from common import protocol as P
 from common.config import parse_run_config
 from common.metrics import calibration_bin_sums, reliability_bins
 from common.problem import build_problem
 from strategies.pgvi import PGVIStrategy
 from strategies.results import RoundRecorder, dumps_json
-
-
-class _EvalReply:
-    def __init__(self, metrics: dict, node: int) -> None:
-        self.content = {P.METRICS: MetricRecord(metrics)}
-        self.metadata = type("Meta", (), {"src_node_id": node})()
-
-    def has_error(self) -> bool:
-        return False
+from tests.test_strategy_edge_cases import _EvalReply
 
 
 @pytest.fixture(scope="module")
