@@ -227,7 +227,9 @@ def _bin_sums_consistent(bin_values: dict[str, float | None], n: float) -> bool:
 
 def _metric_number(value: object) -> float | None:
     """A client metric as a float: a real number including +-inf (an infinite NLL is a measurement: the pooled
-    NLL of all points is then infinite too), ``None`` for NaN or anything that is not a real number."""
+    NLL of all points is then infinite too), ``None`` for NaN or anything that is not a real number.  The pooled
+    value of a metric some client reported as +inf and another as -inf is undefined: see
+    :func:`_pool_client_metrics`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     x = float(value)
@@ -235,15 +237,22 @@ def _metric_number(value: object) -> float | None:
 
 
 def _pool_client_metrics(totals: dict[str, float], weights: dict[str, float], n_total: float,
-                         bins: dict[str, float], all_binned: bool) -> dict[str, float]:
+                         bins: dict[str, float], all_binned: bool,
+                         undefined: frozenset[str] = frozenset()) -> dict[str, float]:
     """Metrics of all clients' test points together: means over points are example-weighted means over the
     clients that reported that metric (``weights[k]``: their examples; a client without the key, e.g. a regression
     client beside classifiers, or with a NaN, adds neither to the sum nor to the weight); the RMSE is the root of the
     pooled mean square; the ECE comes from the summed per-bin sums when every client sent them (the
     example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean.  Counts
     (``num_points`` of common.metrics) are not means: weighted by n they gave sum(n^2)/sum(n); the pooled count is
-    ``client-num-examples`` (the examples of every reply taken)."""
-    out = {f"client-{k}": v / weights[k] for k, v in totals.items() if k not in ("num_points", "num-points")}
+    ``client-num-examples`` (the examples of every reply taken).
+
+    An infinite client value makes the pooled mean infinite of its sign (+inf with +inf stays +inf); a metric in
+    ``undefined`` (one client sent +inf, another -inf: inf - inf has no value) is NaN, written ``nan`` in
+    ``metrics.csv`` and the log and ``null`` in ``metrics.jsonl`` (the caller warns, naming the key and the
+    nodes).  NaN rather than leaving the key out: a missing key reads as "no client reported it"."""
+    out = {f"client-{k}": math.nan if k in undefined else v / weights[k]
+           for k, v in totals.items() if k not in ("num_points", "num-points")}
     if "client-rmse" in out:
         out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
     if "ece" in totals and all_binned and bins:
@@ -346,6 +355,7 @@ class PGVIStrategy(Strategy):
         weights: dict[str, float] = {}  # sum of num-examples over the replies that sent that metric
         bins: dict[str, float] = {}  # sum over replies of the ECE's per-bin sums
         all_binned = True  # every reply with an ECE also sent its bin sums
+        infinite: dict[str, tuple[list[int], list[int]]] = {}  # metric -> nodes whose term was +inf, -inf
         n_total = 0.0
         for msg in replies:
             if msg.has_error() or P.METRICS not in msg.content:
@@ -380,11 +390,22 @@ class PGVIStrategy(Strategy):
                     ", ".join(repr(k) for k in dropped))
             for k, v in values.items():
                 if v is not None and k not in bin_values:
-                    totals[k] = totals.get(k, 0.0) + n * (v * v if k == "rmse" else v)
+                    term = v * v if k == "rmse" else v
+                    if math.isinf(term):
+                        infinite.setdefault(k, ([], []))[term < 0].append(msg.metadata.src_node_id)
+                    totals[k] = totals.get(k, 0.0) + n * term
                     weights[k] = weights.get(k, 0.0) + n
         if n_total == 0:
             return None
-        return MetricRecord(_pool_client_metrics(totals, weights, n_total, bins, all_binned))
+        undefined = frozenset(k for k, (pos, neg) in infinite.items() if pos and neg)
+        out = _pool_client_metrics(totals, weights, n_total, bins, all_binned, undefined)
+        for k in sorted(undefined):
+            if math.isnan(out.get(f"client-{k}", 0.0)):  # not a count (not pooled) nor an ECE pooled from its bins
+                pos, neg = infinite[k]
+                log(WARNING, "round %d: client metric %r is +inf from node(s) %s and -inf from node(s) %s: its pooled "
+                    "value is undefined, recorded as NaN (null in metrics.jsonl)", server_round, k,
+                    ", ".join(map(str, pos)), ", ".join(map(str, neg)))
+        return MetricRecord(out)
 
     # =============================================================================================
     # running the schedules

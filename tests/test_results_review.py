@@ -2,6 +2,9 @@
 
 * Pooled client metrics divide each metric by the examples of the clients that reported it: one shared
   denominator made an infinite NLL pull the pooled NLL *down* (0.3 and inf -> 0.15) and a missing key halve it.
+* A metric one client reports as +inf and another as -inf has no pooled value (inf - inf): it is NaN (``null`` in
+  ``metrics.jsonl``) with a warning naming the key and the nodes; it was a silent NaN.  (+inf with +inf stays
+  +inf and finite means are unchanged: checked alongside, those held before.)
 * ``metrics.jsonl`` / ``summary.json`` are strict JSON (non-finite values as ``null``): Python wrote ``Infinity``.
 * The log table shows the pooled client NLL, ECE and Brier, not only the client accuracy.
 * ``metrics.csv`` exists after every round, so a run that stops early still leaves its table.
@@ -59,6 +62,41 @@ def test_a_nan_metric_is_left_out_of_its_mean_with_a_warning(strategy, caplog):
         out = dict(strategy.aggregate_evaluate(1, replies))
     assert out["client-nll"] == pytest.approx(0.3)
     assert "node 7" in caplog.text and "'nll'" in caplog.text
+
+
+def test_opposite_infinite_client_values_pool_to_nan_with_a_warning_naming_the_key(strategy, caplog, tmp_path):
+    replies = [_EvalReply({"num-examples": 100.0, "nll": math.inf, "accuracy": 0.9}, 3),
+               _EvalReply({"num-examples": 300.0, "nll": -math.inf, "accuracy": 0.5}, 5)]
+    with caplog.at_level(logging.WARNING):
+        out = dict(strategy.aggregate_evaluate(1, replies))
+    assert math.isnan(out["client-nll"])
+    assert out["client-accuracy"] == pytest.approx((90 + 150) / 400)  # the other metrics are unaffected
+    warned = [r.getMessage() for r in caplog.records if "'nll'" in r.getMessage()]
+    assert len(warned) == 1 and "+inf from node(s) 3" in warned[0] and "-inf from node(s) 5" in warned[0], warned
+    assert "undefined" in warned[0]
+    rec = RoundRecorder(tmp_path, {})
+    rec.record(1, {"round": 1, **out})
+    assert _strict_load((tmp_path / "metrics.jsonl").read_text())["client-nll"] is None
+    assert "nan" in (tmp_path / "metrics.csv").read_text().splitlines()[1].split(",")
+
+
+@pytest.mark.parametrize(("a", "b", "pooled"), [(math.inf, math.inf, math.inf), (-math.inf, -math.inf, -math.inf),
+                                                (math.inf, 0.5, math.inf), (0.3, 0.5, (30 + 150) / 400)])
+def test_same_sign_infinite_values_stay_infinite_and_finite_means_are_unchanged(strategy, caplog, a, b, pooled):
+    replies = [_EvalReply({"num-examples": 100.0, "nll": a}, 0), _EvalReply({"num-examples": 300.0, "nll": b}, 1)]
+    with caplog.at_level(logging.WARNING):
+        out = dict(strategy.aggregate_evaluate(1, replies))
+    assert out["client-nll"] == pytest.approx(pooled)
+    assert "undefined" not in caplog.text
+
+
+def test_an_rmse_of_both_infinite_signs_is_infinite_not_undefined(strategy, caplog):
+    """The RMSE pools squares: -inf squared is +inf, so +inf and -inf give an infinite pooled RMSE."""
+    replies = [_EvalReply({"num-examples": 10.0, "rmse": math.inf}, 0),
+               _EvalReply({"num-examples": 10.0, "rmse": -math.inf}, 1)]
+    with caplog.at_level(logging.WARNING):
+        out = dict(strategy.aggregate_evaluate(1, replies))
+    assert out["client-rmse"] == math.inf and "undefined" not in caplog.text
 
 
 def test_infinite_bin_sums_still_skip_the_reply(strategy):
