@@ -415,7 +415,8 @@ class SocketLock:
 
     def acquire(self) -> SocketLock:
         """Take the lock without waiting; raises :class:`WorkerAlreadyRunning` (naming the socket) if another
-        worker holds it, ``OSError`` if the lock file cannot be opened or locked.  Returns ``self``."""
+        worker holds it, ``OSError`` if the lock file cannot be opened or locked (a filesystem without locks:
+        the message names the lock file and says to move the socket to a local filesystem).  Returns ``self``."""
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this SocketLock")
         for _ in range(self._ATTEMPTS):
@@ -427,6 +428,11 @@ class SocketLock:
             except BlockingIOError as err:  # EWOULDBLOCK: another worker holds it
                 os.close(fd)
                 self._refuse(err)
+            except OSError as err:  # ENOLCK, EINVAL, ...: a filesystem without working locks (NFS without lockd)
+                os.close(fd)
+                raise OSError(err.errno, f"cannot lock {self.path} ({err.strerror or _describe(err)}): its "
+                              "filesystem does not support flock (NFS without a lock manager?); put the worker's "
+                              "socket (--socket) on a local filesystem, e.g. under /tmp or $XDG_RUNTIME_DIR") from err
             except BaseException:
                 os.close(fd)
                 raise

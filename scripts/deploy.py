@@ -608,22 +608,44 @@ class Deployment:
                            self.run_dir / "homes" / f"worker-{k}", env=self._repo_on_pythonpath())
 
     def _clear_stale_worker_socket(self, k: int) -> None:
-        """Remove node ``k``'s worker socket and key if nobody listens on the socket (a SIGKILLed or OOM-killed
-        worker leaves both behind), so that their presence means a listening worker again; a live worker on the
-        path is a :class:`DeploymentError` (a second worker would refuse to start, and the node would silently
-        use a worker this deployment did not start)."""
+        """Remove node ``k``'s worker socket and key if no worker holds the path (a SIGKILLed or OOM-killed
+        worker leaves both behind), so that their presence means a listening worker again.
+
+        The files are removed under the worker's own lock (``client.warm_worker.SocketLock``, taken without
+        waiting): a worker holds it for its whole life, also while it starts (binds, writes its key) and stops,
+        when its socket does not accept connections yet or any more, so a refused connection alone would let
+        this remove a live worker's fresh socket.  A worker holding the lock, or listening on the path without it
+        (a version without the lock), is a :class:`DeploymentError` and its files are left alone: this is only
+        called when this deployment's own worker for node ``k`` is not running, so that worker is not ours (a
+        second worker would refuse to start, and the node would silently use a worker this deployment did not
+        start)."""
         ww = _warm_worker()
         sock = self.worker_socket(k)
+        if not sock.parent.is_dir():  # no worker has run here: nothing to remove (the worker creates the dir)
+            return
         try:
-            stale = ww.check_no_live_worker(sock)
+            lock = ww.SocketLock(sock).acquire()
         except ww.WorkerAlreadyRunning:
-            raise DeploymentError(
-                f"warm-worker-{k}: a compute worker this deployment does not track already listens on {sock} "
-                f"(another deployment in {self.run_dir}?); stop it first"
-            ) from None
-        if stale or not sock.exists():
+            lock = None
+        except OSError as err:  # the lock file cannot be created or locked: the message names it
+            raise DeploymentError(f"warm-worker-{k}: {err}") from None
+        try:
+            listening = False
+            try:
+                ww.check_no_live_worker(sock)  # the lock's holder, or a worker of a version without the lock
+            except ww.WorkerAlreadyRunning:
+                listening = True
+            if lock is None or listening:
+                where = (f"already listens on {sock}" if listening else
+                         f"holds the lock {ww.lock_path(sock)} of {sock} and is starting or stopping")
+                raise DeploymentError(f"warm-worker-{k}: a compute worker this deployment does not track {where} "
+                                      f"(another deployment in {self.run_dir}?); its socket is left alone: stop "
+                                      "it first")
             sock.unlink(missing_ok=True)
             ww.key_path(sock).unlink(missing_ok=True)
+        finally:
+            if lock is not None:
+                lock.release()  # removes its file; the new worker takes the lock afresh
 
     def _worker_listening(self, k: int) -> bool:
         """True when node ``k``'s worker is ready for calls: its socket and key exist, the key is not older than

@@ -318,15 +318,26 @@ def _locked(out: Path) -> Iterator[None]:
     old one); the kernel releases the lock when the descriptor is closed, also if the process dies.
 
     A directory this run cannot write (a read-only mount, or another user's PKI that is only reused) has no
-    lock file: the run locks the directory itself instead (it can write nothing there, so it only reads)."""
+    lock file: the run locks the directory itself instead (it can write nothing there, so it only reads).
+
+    A filesystem without working locks (NFS without a lock manager: ``ENOLCK``) raises an ``OSError`` (same
+    errno) naming the file it could not lock and saying to keep the PKI directory on a local filesystem; the
+    bare ``[Errno 37] No locks available`` named neither."""
+    locked = out / LOCK_NAME
     try:
-        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(locked, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
+        locked = out
         fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            raise OSError(err.errno, f"cannot lock {locked} ({err.strerror or err}): its filesystem does not "
+                          "support flock (NFS without a lock manager?); put the PKI directory on a local "
+                          "filesystem, or create the PKI on one and copy it") from err
         yield
     finally:
         os.close(fd)

@@ -7,6 +7,9 @@
 - P3: the PKI ``deploy.py`` generates has a CA that outlives its leaves.
 - W1: a warm worker's socket and key left behind by a SIGKILLed worker are not taken for a ready worker: they
   are removed before a new worker is spawned, and ``_wait_worker`` waits until the socket accepts connections.
+  They are removed under the worker's own ``SocketLock`` (taken without waiting): a worker that holds it while
+  it starts or stops (its socket refuses connections) is not this deployment's, a ``DeploymentError`` naming the
+  lock, and its socket and key are left alone (they were removed, and a second worker spawned).
   No Flower process is started here; the worker tests run a stub worker (``client.warm_worker.serve`` with a
   stub ``client.pgvi_client``, no torch) and stop it.
 """
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import os
 import re
 import shutil
@@ -326,3 +330,67 @@ def test_stale_socket_file_without_a_process(short_dir, monkeypatch):
     monkeypatch.setattr(dep, "_spawn", lambda *a, **kw: None)
     dep._spawn_worker(0)
     assert not sock.exists() and not warm_worker.key_path(sock).exists()
+
+
+def _lock_is_held(sock: Path) -> bool:
+    """Whether some process holds an ``flock`` on the worker lock file of ``sock``, read from ``/proc/locks``
+    (``N: FLOCK ADVISORY WRITE pid MAJ:MIN:INODE 0 EOF``): a probe that took the lock, however briefly, could
+    make the worker's own non-blocking attempt fail."""
+    try:
+        st = os.stat(warm_worker.lock_path(sock))
+    except FileNotFoundError:
+        return False
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(f[1] == "FLOCK" and f[5] == file_id
+               for f in (line.split() for line in Path("/proc/locks").read_text().splitlines()) if len(f) > 5)
+
+
+def test_spawn_worker_leaves_the_files_of_a_worker_holding_the_lock_alone(short_dir, monkeypatch):
+    """A worker that holds the lock and has bound its socket and written its key but does not accept yet (the
+    moment between its bind and listen; its socket refuses connections like a killed worker's)."""
+    dep = Deployment(1, run_dir=short_dir / "run", warm_workers=True)
+    sock = dep.worker_socket(0)
+    warm_worker.check_socket_dir(sock)
+    spawned: list[str] = []
+    monkeypatch.setattr(dep, "_spawn", lambda *a, **kw: spawned.append("spawned"))
+    with warm_worker.SocketLock(sock), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bound:
+        bound.bind(str(sock))
+        warm_worker.key_path(sock).write_bytes(b"k" * 32)
+        with pytest.raises(DeploymentError, match="holds the lock " + re.escape(str(warm_worker.lock_path(sock)))):
+            dep._spawn_worker(0)
+        assert spawned == [] and sock.exists() and warm_worker.key_path(sock).read_bytes() == b"k" * 32
+        assert warm_worker.lock_path(sock).exists()  # the holder's lock file is not removed either
+    dep._spawn_worker(0)  # the lock free again: the files are stale now and removed
+    assert spawned == ["spawned"] and not sock.exists() and not warm_worker.key_path(sock).exists()
+    assert not warm_worker.lock_path(sock).exists()
+
+
+def test_spawn_worker_refuses_a_starting_worker_on_killed_workers_files(short_dir, stub_workers, monkeypatch):
+    """A worker started by someone else in its slow import (it holds the lock; the killed worker's socket still
+    refuses connections) is refused, not raced: nothing is removed or spawned, and it comes up and serves."""
+    dep = Deployment(1, run_dir=short_dir / "run", warm_workers=True)
+    sock = dep.worker_socket(0)
+    _killed_worker_leftovers(stub_workers, sock)
+    starting = stub_workers(sock, 3.0)
+    _wait_for(lambda: _lock_is_held(sock))
+    spawned: list[str] = []
+    monkeypatch.setattr(dep, "_spawn", lambda *a, **kw: spawned.append("spawned"))
+    with pytest.raises(DeploymentError, match="does not track holds the lock .*starting or stopping"):
+        dep._spawn_worker(0)
+    assert spawned == [] and sock.exists() and warm_worker.key_path(sock).exists()
+    _wait_for(lambda: dep._worker_listening(0))
+    assert warm_worker.call(sock, {"x": 4}, timeout=10) == {"echo": {"x": 4}} and starting.poll() is None
+
+
+def test_spawn_worker_on_a_filesystem_without_locks_is_a_deployment_error(short_dir, monkeypatch):
+    dep = Deployment(1, run_dir=short_dir / "run", warm_workers=True)
+    sock = dep.worker_socket(0)
+    warm_worker.check_socket_dir(sock)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(warm_worker.fcntl, "flock", no_locks)
+    monkeypatch.setattr(dep, "_spawn", lambda *a, **kw: pytest.fail("spawned without the lock"))
+    with pytest.raises(DeploymentError, match=re.escape(str(warm_worker.lock_path(sock))) + ".*local filesystem"):
+        dep._spawn_worker(0)

@@ -2,6 +2,8 @@
 
 - P1: a leaf whose notBefore is in the future is re-issued; a CA whose notBefore is in the future is refused.
 - P2: ``ensure_pki`` holds an exclusive lock on ``<out>/.pki.lock``: concurrent runs make one consistent PKI.
+  A filesystem without locks (``ENOLCK``) is an ``OSError`` naming the file it could not lock and saying to use
+  a local filesystem (it was a bare ``[Errno 37] No locks available``); the CLI prints it on one line.
 - P3: the CA has its own, longer lifetime (``--ca-days``, default 3650), so a leaf can be renewed by the same
   CA; ``--days`` at or below the renewal margin and a ``--ca-days`` too short for ``--days`` are refused.
 - P5: SANs: IPv6 zone ids and unspecified addresses are refused, a trailing dot is dropped consistently, a
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import os
 import re
@@ -186,6 +189,40 @@ def test_concurrent_cli_runs_succeed_with_one_pki(tmp_path):
                     p.wait()
         assert [p.returncode for p in procs] == [0, 0], results
         _assert_consistent(out, 2)
+
+
+def _no_locks(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+def test_a_filesystem_without_locks_names_the_lock_file(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "certs"
+    monkeypatch.setattr(pki.fcntl, "flock", _no_locks)
+    with pytest.raises(OSError) as info:
+        pki.ensure_pki(out, 1)
+    assert info.value.errno == errno.ENOLCK  # still the OSError ensure_pki documents, with its errno
+    text = str(info.value)
+    assert str(out / pki.LOCK_NAME) in text and "No locks available" in text and "local filesystem" in text, text
+    assert not (out / "ca.crt").exists()  # nothing written without the lock
+    assert pki.main(["--out", str(out), "-q"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pki.py: error: ") and str(out / pki.LOCK_NAME) in lines[0]
+
+
+def test_a_read_only_directory_without_locks_names_the_directory(tmp_path, monkeypatch):
+    out = tmp_path / "certs"
+    pki.ensure_pki(out, 0)
+    real_open = os.open
+
+    def read_only(path, flags, *args):  # the lock file cannot be created: the run locks the directory itself
+        if Path(path).name == pki.LOCK_NAME:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(pki.os, "open", read_only)
+    monkeypatch.setattr(pki.fcntl, "flock", _no_locks)
+    with pytest.raises(OSError, match=re.escape(f"cannot lock {out} (") + ".*local filesystem"):
+        pki.ensure_pki(out, 0)
 
 
 # ----------------------------------------------------------------------------- P3: CA lifetime

@@ -5,7 +5,9 @@ W2. One worker per socket path, also when two start together on a stale socket: 
     unlink a second worker's fresh socket and bind its own: two workers ran, one unreachable with torch and its
     data loaded.  A worker now holds an exclusive ``flock`` on ``<socket>.lock`` from before the check until it
     has cleaned up; a second worker fails with an error naming the socket, and a lock file left behind by a
-    killed worker blocks nobody (the kernel drops the lock with its holder).
+    killed worker blocks nobody (the kernel drops the lock with its holder).  A lock that cannot be taken at all
+    (``ENOLCK`` from a filesystem without locks, e.g. NFS without a lock manager) is an ``OSError`` naming the
+    lock file and saying to put the socket on a local filesystem, not a bare ``[Errno 37] No locks available``.
 W3. Timeouts too large for the socket layer: ``compute-worker-timeout-s`` 1e7 made ``call()`` raise
     ``OverflowError`` from ``Connection.poll`` (neither a result nor a fallback), and ``--handshake-timeout-s
     1e10`` made the worker refuse every connection.  Both are now capped where they are read (30 days, 3600 s)
@@ -18,6 +20,7 @@ where ``python -m client.warm_worker`` itself is under test.  Every process a te
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import signal
@@ -285,6 +288,36 @@ def test_socket_lock_taken_on_a_file_its_holder_just_removed_is_taken_again(tmp_
             warm_worker.SocketLock(sock).acquire()  # C
     finally:
         b.release()
+
+
+def _no_locks(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_socket_lock_on_a_filesystem_without_locks_names_the_lock_file(tmp_path, monkeypatch):
+    sock = tmp_path / "node" / "w.sock"
+    warm_worker.check_socket_dir(sock)
+    monkeypatch.setattr(warm_worker.fcntl, "flock", _no_locks)
+    lock, fds = warm_worker.SocketLock(sock), _open_fds()
+    with pytest.raises(OSError) as info:
+        lock.acquire()
+    assert info.value.errno == errno.ENOLCK  # still the OSError callers catch, with its errno
+    text = str(info.value)
+    assert str(_lock_file(sock)) in text and "No locks available" in text and "local filesystem" in text, text
+    assert not lock.held and _open_fds() == fds  # the lock file's descriptor is closed
+
+
+def test_python_m_warm_worker_on_a_filesystem_without_locks_says_which_file(tmp_path, monkeypatch):
+    sock = tmp_path / "node" / "w.sock"
+    monkeypatch.setattr(warm_worker.fcntl, "flock", _no_locks)
+    with pytest.raises(SystemExit) as info:
+        warm_worker.main(["--socket", str(sock)])
+    assert str(info.value.code).startswith("[warm-worker] ")
+    assert str(_lock_file(sock)) in str(info.value.code) and "local filesystem" in str(info.value.code)
 
 
 # --------------------------------------------------------------------------- W3: timeouts the socket layer can take
