@@ -25,7 +25,9 @@ sites (the other clients' average and the last client's).  Results and observati
 Each run writes the usual records (``metrics.jsonl``, ``metrics.csv``, ``summary.json``, ...) under
 ``<out>/<scenario>-<aggregator>/``.  Runs are independent processes (``--jobs``), each with one torch thread, so
 the results do not depend on ``--jobs`` (each run is deterministic).  The tables are always read back from the
-records; ``--from-records`` rebuilds them from an earlier run without running anything.
+records; ``--from-records`` rebuilds them from an earlier run without running anything, and refuses records of
+runs made with different settings (rounds, clients, seed, local epochs, attack, ...: every differing key is named),
+whose rows would not be comparable.
 """
 
 from __future__ import annotations
@@ -203,6 +205,37 @@ def load_result(spec: RunSpec, out_dir: str | Path) -> RunResult:
     )
 
 
+#: run-config keys that may differ between the runs of one experiment: set per run, or where the run wrote
+_PER_RUN_KEYS = {"aggregator", "output-dir"}
+
+
+def mixed_settings(specs: list[RunSpec], out_dir: str | Path) -> list[str]:
+    """Every way in which the records in ``out_dir`` of ``specs`` are not the runs of one experiment: a run config
+    (every key but the aggregator) other than the first run's (the honest run with plain sum), an aggregator other
+    than the run's directory name says, or a ``byzantine.json`` naming another scenario (the fault is a node
+    config, not in ``run_config.json``).  Empty when they are.  The runs' rows are compared with each other and
+    with the honest runs, so records of other rounds, clients, seeds or attacks must never meet in one table."""
+    out_dir = Path(out_dir)
+    configs = {s: json.loads((out_dir / s.name / "run_config.json").read_text()) for s in specs}
+    ref_spec = specs[0]
+    ref = configs[ref_spec]
+    problems = []
+    for s, cfg in configs.items():
+        if cfg.get("aggregator") != s.aggregator:
+            problems.append(f"{s.name}: run with the aggregator {cfg.get('aggregator')!r}, not {s.aggregator!r}")
+        timing = out_dir / s.name / "byzantine.json"
+        recorded = json.loads(timing.read_text()).get("scenario") if timing.exists() else None
+        if recorded is not None and recorded != s.scenario:
+            problems.append(f"{s.name}: run as the scenario {recorded!r} (byzantine.json), not {s.scenario!r}")
+        if s == ref_spec:
+            continue
+        diffs = [f"{k} {cfg.get(k, '(not recorded)')!r} ({ref_spec.name}: {ref.get(k, '(not recorded)')!r})"
+                 for k in sorted((set(cfg) | set(ref)) - _PER_RUN_KEYS) if cfg.get(k) != ref.get(k)]
+        if diffs:
+            problems.append(f"{s.name}: " + ", ".join(diffs))
+    return problems
+
+
 def _run_star(args: tuple[RunSpec, dict, str]) -> RunResult:
     return run_one(*args)
 
@@ -244,7 +277,8 @@ def run_experiment(
     """Run every scenario and return the table rows (dicts; accuracies as fractions, differences in points).
 
     ``raw`` is the full run config (see :func:`experiment_config`); the aggregator is set per run.  With
-    ``from_records`` nothing is run: the rows are rebuilt from the records of an earlier run in ``out_dir``.
+    ``from_records`` nothing is run: the rows are rebuilt from the records of an earlier run in ``out_dir``, and
+    ``ValueError`` names every difference when those records are not runs of one setting (:func:`mixed_settings`).
     """
     for a in aggregators:
         if a not in AGGREGATORS:
@@ -256,6 +290,10 @@ def run_experiment(
     specs = specs_for(tuple(attacks), tuple(aggregators), honest_all)
     if from_records:
         results = [load_result(s, out_dir) for s in specs]
+        if problems := mixed_settings(specs, out_dir):
+            raise ValueError(f"the records in {out_dir} are runs of different settings, so their rows are not "
+                             "comparable; rerun them, or rebuild the table of one setting at a time:\n  "
+                             + "\n  ".join(problems))
     elif jobs > 1:
         work = [(s, dict(raw), str(out_dir)) for s in specs]
         with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -371,17 +409,25 @@ def main() -> None:
     raw = experiment_config(load_run_config([]), args.honest, args.rounds, args.local_epochs, overrides)
     code = code_version()  # before the workers import the code
     t0, c0 = time.time(), _cpu_with_children()
-    rows = run_experiment(raw, tuple(a for a in args.attacks.split(",") if a),
-                          tuple(a for a in args.aggregators.split(",") if a), args.out, args.jobs,
-                          honest_all=not args.no_honest_all, from_records=args.from_records)
+    try:
+        rows = run_experiment(raw, tuple(a for a in args.attacks.split(",") if a),
+                              tuple(a for a in args.aggregators.split(",") if a), args.out, args.jobs,
+                              honest_all=not args.no_honest_all, from_records=args.from_records)
+    except ValueError as err:
+        if not args.from_records:
+            raise
+        raise SystemExit(f"error: {err}") from None
     wall, cpu = time.time() - t0, _cpu_with_children() - c0
     print(markdown_table(rows), end="\n\n")
     print(diagnostics_table(rows), end="\n\n")
     print(per_round_table(rows), end="\n\n")
     runs_cpu = sum(r["cpu-seconds"] for r in rows)
     if args.from_records:
-        print(f"tables rebuilt from the records in {args.out}; the runs took {runs_cpu:.1f} CPU s in total "
-              f"(max {max(r['cpu-seconds'] for r in rows):.1f} s, max wall {max(r['wall-seconds'] for r in rows):.1f} s)")
+        cfg = json.loads((args.out / RunSpec(HONEST, "sum").name / "run_config.json").read_text())
+        print(f"tables rebuilt from the records in {args.out} (every run: "
+              + ", ".join(f"{k} {cfg.get(k)}" for k in ("num-clients", "num-server-rounds", "local-epochs", "seed"))
+              + f"); the runs took {runs_cpu:.1f} CPU s in total (max {max(r['cpu-seconds'] for r in rows):.1f} s, "
+              f"max wall {max(r['wall-seconds'] for r in rows):.1f} s)")
     else:
         print(f"wall {wall:.1f} s with --jobs {args.jobs}; CPU {cpu:.1f} s (this process and its workers); "
               f"inside the runs {runs_cpu:.1f} CPU s (max {max(r['cpu-seconds'] for r in rows):.1f} s per run); "

@@ -8,12 +8,17 @@ Usage:
 
 Each run is one ``scripts/run_inprocess.py`` process (the real PGVI strategy and ClientApp, or Flower's
 ``FedAvg`` with the deterministic-MLP ClientApp) writing ``metrics.jsonl`` / ``summary.json`` into
-``runs/experiments/<experiment>/<run name>/``.  A run whose ``summary.json`` exists is skipped when its
-``run_config.json`` holds the requested settings, so an interrupted experiment continues where it stopped; a
-finished run of the same name with other settings is refused (every differing key is named) before anything
-runs: choose another ``--suffix``.  ``report`` aggregates whatever has finished into
-``runs/experiments/<experiment>/results.{csv,json}``, ``table.md`` and PNG plots in ``docs/img/``; each cell
-counts distinct seeds, and runs of the same settings, noise and seed get separate rows, never one mean.
+``runs/experiments/<experiment>/<run name>/``.  A run that completed every planned round (``summary.json``
+present and ``metrics.jsonl`` reaching ``num-server-rounds``) is skipped when its ``run_config.json`` holds the
+requested settings, so an interrupted experiment continues where it stopped; a run that ended early is run again.
+A finished run of the same name with other settings is refused (every differing key is named) before anything
+runs: choose another ``--suffix``.  The whole plan is checked before its first run starts: every run config is
+validated, two runs may not share a name, and ``-c`` may not set a key the command sets run by run (the noise
+level, the seed, a setting of the method such as its loss, ...).  A batch in which a run fails exits non-zero once the other runs are
+done.  ``report`` aggregates whatever has finished into ``runs/experiments/<experiment>/results.{csv,json}``,
+``table.md`` and PNG plots in ``docs/img/``; each cell counts distinct seeds, and runs of the same settings,
+noise and seed get separate rows, never one mean; runs that ended early or never ended are listed under the
+tables, not averaged in.
 
 Methods (the papers' names):
   pvi     PVI = PGVI with the NLL loss and the KL divergence
@@ -93,8 +98,14 @@ class Run:
         return RUNS / self.experiment / self.name
 
     @property
-    def done(self) -> bool:
+    def finished(self) -> bool:
+        """The run ended (``summary.json`` exists), whether or not it completed every planned round."""
         return (self.out / "summary.json").exists()
+
+    @property
+    def done(self) -> bool:
+        """The run ended after every planned round (see :func:`unfinished_reason`): only such a run is skipped."""
+        return unfinished_reason(self.out) is None
 
     def differences(self) -> list[str]:
         """How the finished run in ``self.out`` differs from this run's requested settings (empty: the same)."""
@@ -106,6 +117,29 @@ class Run:
 
 class RunConfigMismatch(RuntimeError):
     """A finished run of the requested name was made with other settings."""
+
+
+def _evaluated_rows(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of ``metrics.jsonl`` of rounds 1.. that carry the test metrics (round 0 is the prior)."""
+    return [r for r in _rows(run_dir) if r.get("round", 0) >= 1 and "test-accuracy" in r]
+
+
+def unfinished_reason(run_dir: Path) -> str | None:
+    """Why the run in ``run_dir`` does not count as finished, or ``None`` when it completed every planned round:
+    ``summary.json`` present (it is written last) and the last evaluated round of ``metrics.jsonl`` at least the
+    ``num-server-rounds`` of its ``run_config.json``.  A run stops early without failing, e.g. an asynchronous run
+    at its overall deadline or a run whose clients all failed; its ``summary.json`` alone does not say it is done."""
+    if not (run_dir / "summary.json").exists():
+        return "no summary.json (failed, interrupted or still running)"
+    if not (run_dir / "run_config.json").exists():
+        return "no run_config.json, so its planned rounds are unknown"
+    planned = int(json.loads((run_dir / "run_config.json").read_text()).get("num-server-rounds", 0))
+    rows = _evaluated_rows(run_dir)
+    if not rows:
+        return f"no evaluated round in metrics.jsonl ({planned} planned)"
+    if int(rows[-1]["round"]) < planned:
+        return f"stopped after round {int(rows[-1]['round'])} of {planned}"
+    return None
 
 
 #: keys of ``run_config.json`` that do not change a run's results (where it writes them)
@@ -158,7 +192,73 @@ def config_differences(existing: dict[str, object], requested: dict[str, object]
 def mismatched(runs: list[Run]) -> list[str]:
     """A message for each finished run whose settings differ from the requested ones."""
     return [f"{run.name}: {run.out} holds a finished run with other settings: " + "; ".join(diffs)
-            for run in runs if run.done and (diffs := run.differences())]
+            for run in runs if run.finished and (diffs := run.differences())]
+
+
+def duplicate_names(runs: list[Run]) -> list[str]:
+    """A message for each run name the plan holds more than once: the second run would meet the first one's
+    records (refused mid-batch if their settings differ, skipped if not).  Noise levels that round to the same
+    percentage (0.1 and 0.10000001: ``noise10``) get the same name, so do repeated ``--seeds`` / ``--methods``."""
+    by_name: dict[str, list[Run]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    out = []
+    for name, same in by_name.items():
+        if len(same) < 2:
+            continue
+        keys = sorted({k for r in same for k in r.config})
+        differing = [k for k in keys if len({json.dumps(r.config.get(k)) for r in same}) > 1]
+        what = ("; ".join(", ".join(f"{k}={r.config.get(k)!r}" for k in differing) for r in same) if differing
+                else "the same settings each time")
+        out.append(f"{name}: planned {len(same)} times ({what})")
+    return out
+
+
+#: the run-config keys each experiment sets run by run from its own options (``-c`` must not set them)
+PER_RUN_OPTIONS: dict[str, dict[str, str]] = {
+    "fmnist_noise": {"label-noise": "--noise", "seed": "--seeds"},
+    "fmnist_noniid": {"schedule": "--schedules", "seed": "--seeds", "num-server-rounds": "--rounds"},
+}
+
+
+def per_run_overrides(runs: list[Run], overrides: dict[str, object]) -> list[str]:
+    """A message for each ``-c`` key that would override what the plan sets run by run: a key of the runs' names
+    (:data:`PER_RUN_OPTIONS`: noise level, seed, schedule, rounds), a key that defines a planned method
+    (:data:`METHODS`: its loss, divergence and their parameters, the one-client methods' ``num-clients``; the run's
+    name and table label say the method's own values), or one whose value differs between the planned runs.
+    Applied to every run, such an override makes the runs identical, or not what their names say, without a word."""
+    out = []
+    options = {k: v for r in runs for k, v in PER_RUN_OPTIONS.get(r.experiment, {}).items()}
+    method_keys: dict[str, list[str]] = {}
+    for m in dict.fromkeys(r.method for r in runs):
+        for k, v in METHODS[m].items():
+            method_keys.setdefault(k, []).append(f"{m}: {_toml(v)}")
+    for key, value in overrides.items():
+        planned = sorted({json.dumps(r.config.get(key)) for r in runs})
+        if key in options:
+            out.append(f"-c {key}={_toml(value)}: {key} is set run by run by {options[key]} "
+                       f"(here {' / '.join(planned)}); use {options[key]}")
+        elif key in method_keys:
+            out.append(f"-c {key}={_toml(value)}: {key} is a setting of the method chosen by --methods "
+                       f"({'; '.join(method_keys[key])}), which the runs' names and labels stand for")
+        elif len(planned) > 1:
+            unset = ", null = not set: the default" if "null" in planned else ""
+            out.append(f"-c {key}={_toml(value)}: {key} differs between the planned runs ({' / '.join(planned)}"
+                       f"{unset}), e.g. by --methods; every run would get the same value. Run the runs that should "
+                       "get it in a command of their own")
+    return out
+
+
+def invalid_configs(runs: list[Run]) -> list[str]:
+    """Every distinct run-config error of the plan (``RunConfig`` validation, as ``run_inprocess.py`` does it),
+    with the runs it concerns: checked before the first run, instead of each run failing in its own process."""
+    errors: dict[str, list[str]] = {}
+    for run in runs:
+        try:
+            requested_config(run)
+        except ValueError as err:  # ConfigError, or a value parse_overrides cannot take
+            errors.setdefault(str(err), []).append(run.name)
+    return [f"{msg} (run{'s' if len(names) > 1 else ''} {', '.join(names)})" for msg, names in errors.items()]
 
 
 def _toml(v: object) -> str:
@@ -194,21 +294,26 @@ def fmnist_noniid_runs(methods: list[str], schedules: list[str], seeds: list[int
     return runs
 
 
-def execute(run: Run, dry_run: bool = False) -> None:
-    """Run ``run`` unless it has finished with the same settings; a finished run of its name with other settings
-    raises :class:`RunConfigMismatch` naming every differing key (it is never skipped as if it were this run)."""
-    if run.done:
+def execute(run: Run, dry_run: bool = False) -> int:
+    """Run ``run`` unless it has completed every planned round with the same settings, and return the run's exit
+    code (0 when skipped or a dry run).  A finished run of its name with other settings raises
+    :class:`RunConfigMismatch` naming every differing key (it is never skipped as if it were this run); one that
+    ended before its planned rounds is run again."""
+    if run.finished:
         if problems := mismatched([run]):
             raise RunConfigMismatch(problems[0] + ". Choose another --suffix, or move that run away.")
-        print(f"[skip] {run.name}: {run.out / 'summary.json'} exists with the same settings", flush=True)
-        return
+        if (reason := unfinished_reason(run.out)) is None:
+            print(f"[skip] {run.name}: {run.out / 'summary.json'} exists with the same settings", flush=True)
+            return 0
+        print(f"[redo] {run.name}: the earlier run of these settings is incomplete ({reason}): running it again",
+              flush=True)
     cmd = [sys.executable, str(ROOT / "scripts" / "run_inprocess.py"), "--out", str(run.out),
            "--method", "fedavg" if run.method == "fedavg" else "pgvi"]
     for k, v in run.config.items():
         cmd += ["-c", f"{k}={_toml(v)}"]
     print(f"[run ] {run.name}: {' '.join(cmd[1:])}", flush=True)
     if dry_run:
-        return
+        return 0
     run.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
     t0 = time.time()
@@ -217,6 +322,7 @@ def execute(run: Run, dry_run: bool = False) -> None:
     print(f"[done] {run.name}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
     if rc != 0:
         print(f"       see {run.out / 'log.txt'}", flush=True)
+    return rc
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -228,23 +334,31 @@ def _rows(run_dir: Path) -> list[dict[str, float]]:
 
 
 def summarise(run_dir: Path) -> dict[str, object] | None:
-    """Best-over-rounds (the papers' convention) and final-round metrics of one finished run."""
+    """Best-over-rounds (the papers' convention) and final-round metrics of one finished run; ``None`` for a run
+    that has not finished every planned round (:func:`unfinished_reason`; a warning says why when it has ended).
+
+    A ``rescored.json`` (see :func:`rescore`) replaces the final round's NLL only, and only when its accuracy is the
+    recorded one (the same predictive draws): accuracy, ECE and Brier stay the recorded ones, so that the final
+    round is never scored with other draws than the rounds it is compared with (best over rounds)."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         return None
-    rows = [r for r in _rows(run_dir) if r.get("round", 0) >= 1 and "test-accuracy" in r]
-    if not rows:
+    if reason := unfinished_reason(run_dir):  # e.g. an asynchronous run that hit its overall deadline
+        print(f"warning: {run_dir.name} {reason}: not reported", file=sys.stderr)
         return None
+    rows = _evaluated_rows(run_dir)
     cfg = json.loads((run_dir / "run_config.json").read_text())
     summary = json.loads(summary_path.read_text())
-    planned = int(cfg.get("num-server-rounds", 0))
-    if int(rows[-1]["round"]) < planned:  # e.g. an asynchronous run that hit its overall deadline
-        print(f"warning: {run_dir.name} stopped after round {int(rows[-1]['round'])} of {planned}: not reported",
-              file=sys.stderr)
-        return None
     final = dict(rows[-1])
-    if (run_dir / RESCORED).exists():  # final metrics recomputed with the current evaluation (see ``rescore``)
-        final.update(json.loads((run_dir / RESCORED).read_text())["final"])
+    nlls = [r["test-nll"] for r in rows]
+    if (run_dir / RESCORED).exists():  # the final NLL recomputed with the current evaluation (see ``rescore``)
+        new = json.loads((run_dir / RESCORED).read_text())["final"]
+        if abs(new["test-accuracy"] - final["test-accuracy"]) < 1e-12:
+            final["test-nll"] = nlls[-1] = new["test-nll"]
+        else:
+            print(f"warning: {run_dir.name}: {RESCORED} was computed with other draws than the run's own "
+                  f"(final accuracy {new['test-accuracy']:.4f}, recorded {final['test-accuracy']:.4f}): ignored, the "
+                  "recorded final metrics are reported", file=sys.stderr)
     secs = [r["client-seconds-mean"] for r in rows if "client-seconds-mean" in r]
     epochs = [r["client-epochs-mean"] for r in rows if "client-epochs-mean" in r]
     return {
@@ -253,7 +367,7 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "schedule": _schedule_label(cfg), "rounds": int(final["round"]),
         "budget": _budget_label(cfg), "label": _variant_label(cfg.get("method") or run_dir.name.split("-")[0], cfg),
         "best-accuracy": max(r["test-accuracy"] for r in rows), "final-accuracy": final["test-accuracy"],
-        "best-nll": min(r["test-nll"] for r in rows), "final-nll": final["test-nll"],
+        "best-nll": min(nlls), "final-nll": final["test-nll"],
         "best-ece": min(r["test-ece"] for r in rows), "final-ece": final["test-ece"],
         "final-brier": final["test-brier"], "wall-seconds": float(summary.get("wall-seconds", math.nan)),
         "client-seconds-per-round": float(np.mean(secs)) if secs else math.nan,
@@ -365,7 +479,7 @@ def _mean_std(values: list[float], seeds: list[int] | None = None) -> str:
 def report_fmnist_noise(exp_dir: Path) -> str:
     rows = [s for d in sorted(exp_dir.iterdir()) if d.is_dir() and (s := summarise(d))] if exp_dir.exists() else []
     if not rows:
-        return f"no finished runs in {exp_dir}\n"
+        return "\n".join([f"no finished runs in {exp_dir}", *_unreported(exp_dir)]) + "\n"
     _separate_settings(rows, lambda r: (r["label"], r["budget"]))
     _write_tables(exp_dir, rows)
     noises = sorted({r["noise"] for r in rows})
@@ -410,7 +524,7 @@ def report_fmnist_noise(exp_dir: Path) -> str:
         _plot_curves(exp_dir, sel, group="noise", title=f"Fashion-MNIST, 3 clients, {{}} % label noise, {rounds} rounds",
                      fname=f"fmnist_noise{{}}{tag}_curves.png")
         _plot_reliability(exp_dir, sel, tag)
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines + _unreported(exp_dir)) + "\n"
     (exp_dir / "table.md").write_text(text)
     return text
 
@@ -418,7 +532,7 @@ def report_fmnist_noise(exp_dir: Path) -> str:
 def report_fmnist_noniid(exp_dir: Path) -> str:
     rows = [s for d in sorted(exp_dir.iterdir()) if d.is_dir() and (s := summarise(d))] if exp_dir.exists() else []
     if not rows:
-        return f"no finished runs in {exp_dir}\n"
+        return "\n".join([f"no finished runs in {exp_dir}", *_unreported(exp_dir)]) + "\n"
     _separate_settings(rows, lambda r: (r["method"], r["schedule"]), field="schedule")
     _write_tables(exp_dir, rows)
     lines = ["| method | schedule | seeds | acc best (%) | acc final (%) | ECE final (%) | NLL final | wall s |",
@@ -435,9 +549,18 @@ def report_fmnist_noniid(exp_dir: Path) -> str:
                      f"{np.mean([r['wall-seconds'] for r in sel]):.0f} |")
     _plot_curves(exp_dir, rows, group=None, title="Fashion-MNIST, 10 clients, Dirichlet(0.3)",
                  fname="fmnist_noniid_curves.png")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines + _unreported(exp_dir)) + "\n"
     (exp_dir / "table.md").write_text(text)
     return text
+
+
+def _unreported(exp_dir: Path) -> list[str]:
+    """Lines for the report naming every run directory that is not in the tables and why: it ended before its
+    planned rounds, or has no ``summary.json`` (see :func:`unfinished_reason`).  Such a run is never averaged in,
+    and rerunning its command runs it again."""
+    notes = [f"- {d.name}: {reason}" for d in (sorted(exp_dir.iterdir()) if exp_dir.exists() else [])
+             if d.is_dir() and (reason := unfinished_reason(d))]
+    return ["", "Incomplete runs, not in the tables:", *notes] if notes else []
 
 
 def _write_tables(exp_dir: Path, rows: list[dict[str, object]]) -> None:
@@ -530,8 +653,9 @@ RESCORED = "rescored.json"
 
 def rescore(exp_dir: Path) -> None:
     """Recompute each finished run's final-round test metrics from its saved final model with the current
-    evaluation code, into ``<run>/rescored.json`` (the report prefers it).  Made for the NLL fix of 2026-11-23:
-    runs recorded before it floored the predictive probability at 1e-12 inside the NLL."""
+    evaluation code, into ``<run>/rescored.json``.  Made for the NLL fix of 2026-11-23: runs recorded before it
+    floored the predictive probability at 1e-12 inside the NLL.  The report takes the final NLL from it, nothing
+    else, and only when the recomputed accuracy is the recorded one (the run's own draws); see :func:`summarise`."""
     from common.metrics import classification_metrics_from_log_probs
 
     for run_dir in sorted(p for p in exp_dir.glob("*") if (p / "summary.json").exists()):
@@ -548,9 +672,9 @@ def rescore(exp_dir: Path) -> None:
             "final": final, "recorded": {k: rec[k] for k in final if k in rec}, "same-draws": same_draws,
             "why": "final-round metrics recomputed from the saved final model; NLL exact from log-probabilities",
         }, indent=1))
-        print(f"{run_dir.name}: NLL {rec['test-nll']:.4f} -> {final['test-nll']:.4f}; accuracy "
-              f"{'unchanged' if same_draws else 'DIFFERS: %.4f -> %.4f' % (rec['test-accuracy'], final['test-accuracy'])}",
-              flush=True)
+        acc = ("unchanged" if same_draws else f"DIFFERS: {rec['test-accuracy']:.4f} -> {final['test-accuracy']:.4f} "
+               "(other draws: not used by the report)")
+        print(f"{run_dir.name}: NLL {rec['test-nll']:.4f} -> {final['test-nll']:.4f}; accuracy {acc}", flush=True)
 
 
 def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]], tag: str = "") -> None:
@@ -584,6 +708,14 @@ def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]], tag: str = "
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def _refuse(problems: list[str], what: str) -> None:
+    """Print each problem and exit non-zero (before any run starts) when there is one."""
+    if problems:
+        for msg in problems:
+            print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(f"{len(problems)} {what}; nothing was run.")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -611,17 +743,29 @@ def main(argv: list[str] | None = None) -> None:
             runs = fmnist_noniid_runs(args.methods, args.schedules, args.seeds, args.rounds)
         import tomllib
 
-        extra = {k.strip(): tomllib.loads(f"v = {v}")["v"] for k, _, v in (kv.partition("=") for kv in args.config)}
+        extra: dict[str, object] = {}
+        for kv in args.config:
+            k, eq, v = kv.partition("=")
+            try:
+                if not eq or not k.strip():
+                    raise ValueError("expected key=value")
+                extra[k.strip()] = tomllib.loads(f"v = {v}")["v"]
+            except (ValueError, tomllib.TOMLDecodeError) as err:
+                ap.error(f"-c {kv!r}: {err} (a TOML value: strings quoted, e.g. -c 'loss=\"gce\"')")
+        # the whole plan is checked before any run starts, so that a batch never stops half-way
+        _refuse(per_run_overrides(runs, extra), "-c override(s) of what this command sets run by run")
         for run in runs:
             run.config.update(extra)
             run.name += args.suffix
-        if problems := mismatched(runs):  # before any run starts, so that a batch never stops half-way
-            for msg in problems:
-                print(f"error: {msg}", file=sys.stderr)
-            raise SystemExit(f"{len(problems)} finished run(s) of these names have other settings; nothing was run. "
-                             "Choose another --suffix, or move those runs away.")
-        for run in runs:
-            execute(run, dry_run=args.dry_run)
+        _refuse(duplicate_names(runs), "run name(s) planned more than once (give each noise level, seed and "
+                "method once; noise levels that round to the same percentage share a name)")
+        _refuse(invalid_configs(runs), "invalid run config(s)")
+        _refuse(mismatched(runs), "finished run(s) of these names with other settings. Choose another --suffix, "
+                "or move those runs away")
+        failed = [run.name for run in runs if execute(run, dry_run=args.dry_run)]
+        if failed:
+            raise SystemExit(f"{len(failed)} of {len(runs)} run(s) failed: {', '.join(failed)}; see each run's "
+                             "log.txt. The other runs are done.")
         return  # several lanes may run at once: only `report` writes the tables and plots
     if args.cmd == "rescore":
         for exp in ("fmnist_noise", "fmnist_noniid"):

@@ -3,10 +3,16 @@
 # first, in parallel lanes of one torch thread each (a 2-core machine); the later reruns of section 1 give their
 # own commands there. Each command skips the runs that have finished with the same settings, so the script can be
 # re-run after a stop; a finished run of the same name with other settings stops the command before it runs
-# anything (scripts/experiments.py names the differing keys).
+# anything (scripts/experiments.py names the differing keys). A command that fails (a failed run, a refused plan)
+# does not stop its lane; it is recorded, and the script exits non-zero at the end, after the report, naming it.
 cd "$(dirname "$0")/.."
 mkdir -p runs/experiments  # runs/ is git-ignored: a fresh clone has no lane-log directory
-E=".venv/bin/python scripts/experiments.py"
+FAILED=runs/experiments/failed-commands.txt
+: > "$FAILED"
+experiments() {
+  .venv/bin/python scripts/experiments.py "$@" || echo "exit $?: scripts/experiments.py $*" >> "$FAILED"
+}
+E="experiments"
 (
   $E fmnist-noise --noise 0.4 --seeds 0 --methods fedgvi pvi fedavg
   $E fmnist-noise --noise 0.4 --seeds 1 --methods fedgvi pvi fedavg
@@ -97,3 +103,8 @@ wait
 $E fmnist-noise --noise 0.4 --seeds 3 4 --methods pvi --suffix=-lr3-long $LR3 > runs/experiments/lane-lr3h.log 2>&1 &
 wait
 $E report
+if [ -s "$FAILED" ]; then
+  echo "failed commands (their lane logs are runs/experiments/lane-*.log):" >&2
+  cat "$FAILED" >&2
+  exit 1
+fi

@@ -91,3 +91,28 @@ def test_an_unknown_attack_is_refused_before_anything_runs(attack, tmp_path):
     assert not any(tmp_path.iterdir())
     for ok in ("flip", "scale:10", "scale:-0.5"):
         byzantine.check_attack(ok)
+
+
+def test_tables_from_records_of_different_settings_are_refused(tiny, tmp_path):
+    """``--from-records`` on a directory holding runs of several commands (another seed, another number of rounds,
+    a scale factor recorded under another name): before, their rows were put in one table and compared."""
+    import shutil
+
+    from scripts import byzantine
+
+    raw, out, rows = tiny
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out, mixed)
+    for name, changes in (("flip-median", {"seed": raw["seed"] + 1}), ("scale10-sum", {"num-server-rounds": 2})):
+        path = mixed / name / "run_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    timing = mixed / "honest-median" / "byzantine.json"
+    timing.write_text(json.dumps({**json.loads(timing.read_text()), "scenario": "scale:10"}))
+    with pytest.raises(ValueError, match="runs of different settings") as err:
+        run_experiment(raw, out_dir=mixed, from_records=True)
+    msg = str(err.value)
+    assert f"flip-median: seed {raw['seed'] + 1} (honest-sum: {raw['seed']})" in msg
+    assert "scale10-sum: num-server-rounds 2 (honest-sum: 1)" in msg
+    assert "honest-median: run as the scenario 'scale:10' (byzantine.json), not 'honest'" in msg
+    assert len(msg.splitlines()) == 4, msg  # the three runs above, nothing else
+    assert byzantine.mixed_settings(byzantine.specs_for(ATTACKS, AGGREGATORS, True), out) == []

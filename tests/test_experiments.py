@@ -187,9 +187,14 @@ def test_noniid_report_seed_column_counts_distinct_seeds(tmp_path, monkeypatch, 
     assert "have the same settings, noise 0 and seed 0" in capsys.readouterr().err
 
 
-def _finished(run, cfg: dict) -> None:
+def _finished(run, cfg: dict, rounds: int | None = None) -> None:
+    """The records of a run of ``run``'s name that ended after ``rounds`` rounds (default: every planned one)."""
     run.out.mkdir(parents=True)
     (run.out / "run_config.json").write_text(json.dumps(cfg))
+    n = int(cfg["num-server-rounds"]) if rounds is None else rounds
+    rows = [{"round": float(i), "test-accuracy": 0.5, "test-nll": 1.0, "test-ece": 0.1, "test-brier": 0.3}
+            for i in range(n + 1)]
+    (run.out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (run.out / "summary.json").write_text("{}")
 
 
