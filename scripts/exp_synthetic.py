@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import sys
@@ -57,6 +56,7 @@ from common.factors import PGVIServerState  # noqa: E402
 from common.families import GaussianFactor, MeanFieldGaussian  # noqa: E402
 from common.problem import ArraysSplit, Problem, build_problem  # noqa: E402
 from common.runtime import configure_compute  # noqa: E402
+from common.strict_json import dumps_json  # noqa: E402
 
 EXPERIMENTS = ("clutter", "influence", "logistic2d")
 LOCAL_EPOCHS = 10  # Adam warm start (one full-batch step per epoch); the L-BFGS polish then converges
@@ -143,10 +143,12 @@ def location_shards(y: np.ndarray, num_clients: int, seed: int) -> list[tuple[np
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation of the finite ``values``: ``(NaN, NaN)`` for none, and the std NaN for a
+    single one, which has no measured spread (a std of 0 would claim one: "± 0.000" in a table)."""
     a = np.asarray([v for v in values if np.isfinite(v)], dtype=np.float64)
     if a.size == 0:
         return float("nan"), float("nan")
-    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else float("nan")
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -163,10 +165,9 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """Strict JSON (a missing value, e.g. the spread of a single run or the result of failed runs, is ``null``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=float)
-        f.write("\n")
+    path.write_text(dumps_json(obj, indent=2) + "\n")
 
 
 def _pyplot():
@@ -306,6 +307,8 @@ def run_clutter(out: Path, img: Path, seeds: int = 10, tiny: bool = False) -> di
 
 
 def _summarise(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, dict[str, Any]]:
+    """Per method: runs, failures (with their errors), and for each of ``keys`` the mean, sample std (NaN for a
+    single value, see :func:`mean_std`) and ``n``, the number of finite values they are computed from."""
     table: dict[str, dict[str, Any]] = {}
     for r in rows:
         t = table.setdefault(r["method"], {"label": r.get("label", r["method"]), "runs": 0, "failures": 0})
@@ -318,6 +321,7 @@ def _summarise(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, dict[st
             vals = [float(r[k]) for r in rows if r["method"] == name and k in r and r[k] is not None]
             if vals:
                 t[f"{k}_mean"], t[f"{k}_std"] = mean_std(vals)
+                t[f"{k}_n"] = int(np.isfinite(vals).sum())
     return table
 
 
@@ -341,7 +345,7 @@ def _plot_clutter(path: Path, data: Any, dens: dict[str, Any], sweep: dict[str, 
     for name, per_eps in sweep.items():
         xs = [float(e) for e in per_eps]
         ys = [per_eps[e]["abs_error_mean"] for e in per_eps]
-        es = [per_eps[e]["abs_error_std"] for e in per_eps]
+        es = [per_eps[e]["abs_error_std"] for e in per_eps]  # NaN (a single run): no bar, not a bar of 0
         ax2.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
     ax2.set_xlabel("contamination ε")
     ax2.set_ylabel("|posterior mean − θ*|")
@@ -413,15 +417,26 @@ def run_influence(out: Path, img: Path, seeds: int = 1, tiny: bool = False) -> d
             vals = [r["fisher_rao"] for r in rows if r["method"] == meth["name"] and r["z"] == z and "fisher_rao" in r]
             curve[f"{z:g}"] = mean_std(vals)[0]
         fr_vals = [curve[f"{z:g}"] for z in z_grid]
-        peak_i = int(np.nanargmax(fr_vals))
+        failed = [f"seed {r['seed']}, z = {r['z']:g}: {str(r['error'])[:300]}"
+                  for r in rows if r["method"] == meth["name"] and r["error"]]
+        if np.isnan(fr_vals).all():
+            # no distance at any z: every seed's reference run (z = 0), or every run, failed.  Reported (NaN, no
+            # peak, the errors), not a crash in nanargmax that lost the other methods' results too
+            fr_max, z_of_max = float("nan"), None
+            print(f"warning: influence of {meth['name']}: no Fisher-Rao distance at any z, because its run(s) at "
+                  f"z = 0 (the reference) or all its runs failed: {'; '.join(failed) or 'no error recorded'}",
+                  file=sys.stderr)
+        else:
+            fr_max, z_of_max = float(np.nanmax(fr_vals)), z_grid[int(np.nanargmax(fr_vals))]
         table[meth["name"]] = {
             "label": meth["label"],
             "fr_at_zmax": curve[f"{zmax:g}"],
-            "fr_max": float(np.nanmax(fr_vals)),
-            "z_of_max": z_grid[peak_i],
-            "fr_at_zmax_over_max": curve[f"{zmax:g}"] / float(np.nanmax(fr_vals)) if np.nanmax(fr_vals) > 0 else float("nan"),
+            "fr_max": fr_max,
+            "z_of_max": z_of_max,
+            "fr_at_zmax_over_max": curve[f"{zmax:g}"] / fr_max if fr_max > 0 else float("nan"),
             "curve": curve,
-            "failures": sum(1 for r in rows if r["method"] == meth["name"] and r["error"]),
+            "failures": len(failed),
+            **({"errors": failed} if failed else {}),
         }
     summary = {
         "experiment": "influence",
@@ -444,8 +459,11 @@ def _plot_influence(path: Path, table: dict[str, Any], z_grid: list[float]) -> N
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for name, t in table.items():
-        ax.plot(z_grid, [t["curve"][f"{z:g}"] for z in z_grid], marker="o", ms=3, label=t["label"],
-                ls="--" if name.startswith("nll") else "-")
+        ys = [t["curve"][f"{z:g}"] for z in z_grid]
+        if np.isnan(ys).all():  # its runs failed (see the summary's "errors"): named in the legend, no line
+            ax.plot([], [], ls="none", label=f"{t['label']}: no value (runs failed)")
+            continue
+        ax.plot(z_grid, ys, marker="o", ms=3, label=t["label"], ls="--" if name.startswith("nll") else "-")
     ax.set_xlabel("position z of the extra observation")
     ax.set_ylabel("Fisher–Rao distance to the posterior with the point at 0")
     ax.set_title("Influence of one outlier (Student-t(4) data, 7 clients)")
@@ -596,11 +614,23 @@ def _plot_logistic(path: Path, data: Any, state: dict[str, Any]) -> None:
 
 
 # ==================================================================================================
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--seeds 0`` meant the default number of seeds, ``-1`` no seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a number of seeds), got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     configure_compute(1)  # here, not at import: importing the module must not change the process's torch settings
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=(*EXPERIMENTS, "all"))
-    ap.add_argument("--seeds", type=int, default=None, help="seeds (default: clutter 10, influence 1, logistic2d 10)")
+    ap.add_argument("--seeds", type=_positive_int, default=None,
+                    help="number of seeds, >= 1 (default: clutter 10, influence 1, logistic2d 10)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "experiments")
     ap.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
     ap.add_argument("--tiny", action="store_true", help="a few-second smoke-test size (for the tests)")
@@ -613,11 +643,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {}
     for name in todo:
         t0, c0 = time.perf_counter(), time.process_time()
-        summary = fns[name](args.out, args.img, seeds=args.seeds or defaults[name], tiny=args.tiny)
+        seeds = defaults[name] if args.seeds is None else args.seeds
+        summary = fns[name](args.out, args.img, seeds=seeds, tiny=args.tiny)
         results[name] = summary
         print(f"== {name}: {time.perf_counter() - t0:.1f} s wall, {time.process_time() - c0:.1f} s CPU, "
               f"results in {args.out / name}")
-        print(json.dumps(summary["table"], indent=1, default=float)[:6000])
+        print(dumps_json(summary["table"], indent=1)[:6000])
     return results
 
 

@@ -26,7 +26,8 @@ from common.deterministic_mlp import DeterministicMLP, predict_log_probs
 from common.metrics import classification_metrics_from_log_probs
 from common.problem import ArraysSplit
 from strategies.pgvi import AllClientsFailed, _last_line
-from strategies.results import RoundRecorder, dumps_json
+from common.strict_json import dumps_json
+from strategies.results import RoundRecorder
 
 
 class OrderedFedAvg(FedAvg):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from logging import INFO
 from pathlib import Path
@@ -14,6 +13,7 @@ from flwr.supercore import log
 
 from common.atomic_io import atomic_write
 from common.families import GaussianFactor
+from common.strict_json import dumps_json
 
 _TABLE_COLUMNS = [
     ("round", "round", "{:>5.0f}"),
@@ -38,24 +38,6 @@ _TABLE_COLUMNS = [
 # scripts/experiments.py, from the final model).  ``summary.json`` first: its presence means the others are complete.
 # The checkpoint (strategies/checkpoint.py) is not one of them: a run may resume from its own directory.
 RESULT_FILES = ("summary.json", "metrics.csv", "posterior.npz", "sites.npz", "model.npz", "rescored.json")
-
-
-def json_safe(value: object) -> object:
-    """``value`` with every non-finite float (in dicts, lists and tuples) replaced by ``None``: ``json.dumps``
-    would write the bare tokens ``NaN`` / ``Infinity``, which are not JSON (jq, browsers and most parsers other
-    than Python's refuse the file).  ``metrics.csv`` and the log keep ``inf`` / ``nan``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def dumps_json(value: object, **kw: object) -> str:
-    """Strict JSON of ``value`` (non-finite floats as ``null``, see :func:`json_safe`)."""
-    return json.dumps(json_safe(value), allow_nan=False, **kw)
 
 
 class RoundRecorder:

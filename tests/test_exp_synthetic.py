@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scripts import exp_synthetic as E
@@ -110,3 +112,77 @@ def test_results_doc_eps_sweep_shows_each_cells_runs_and_every_failure() -> None
     results = (Path(__file__).resolve().parent.parent / "docs" / "RESULTS.md").read_text()
     headline = next(b for b in results.split("\n  - ") if "As ε goes from 0 to 0.4" in b)
     assert "failed" in headline and "mean of 2" in headline, headline
+
+
+def test_influence_reports_a_method_whose_reference_run_failed_instead_of_crashing(tmp_path, monkeypatch, capsys):
+    """A failed run at z = 0 leaves its method no Fisher-Rao distance at any z: before, ``np.nanargmax`` of the
+    all-NaN curve raised, and nothing of the experiment (no CSV, no summary, no figure) was written.  The runs are
+    stand-ins (posterior mean 0.1 z, variance 1), so that only the bookkeeping is tested."""
+    import numpy as np
+
+    def run_federation(problem, shards, rounds, tol=0.0):
+        z = float(shards[-1][1][-1, 0])  # the extra observation, appended to the last client's shard
+        if problem.cfg.loss == "beta" and z == 0.0:
+            return {"posterior": None, "history": [], "rounds": 0, "error": "round 1: injected failure"}
+        return {"posterior": z, "history": [], "rounds": 1, "error": ""}
+
+    monkeypatch.setattr(E, "run_federation", run_federation)
+    monkeypatch.setattr(E, "moments", lambda z: (np.array([0.1 * z]), np.array([1.0])))
+    summary = E.run_influence(tmp_path / "runs", tmp_path / "img", seeds=1, tiny=True)
+    beta = summary["table"]["beta_kl"]
+    assert math.isnan(beta["fr_max"]) and math.isnan(beta["fr_at_zmax"]) and beta["z_of_max"] is None
+    assert beta["failures"] == 1 and beta["errors"] == ["seed 0, z = 0: round 1: injected failure"]
+    assert all(math.isnan(v) for v in beta["curve"].values())
+    for name in ("nll_kl", "sm_se"):  # the other methods are reported as before
+        t = summary["table"][name]
+        assert t["failures"] == 0 and "errors" not in t and t["z_of_max"] == 20.0 and t["fr_max"] > 0
+    assert "influence of beta_kl: no Fisher-Rao distance at any z" in capsys.readouterr().err
+    assert (tmp_path / "runs" / "influence" / "summary.json").exists()
+    assert (tmp_path / "img" / "synthetic_influence.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("seeds", ["0", "-1", "two"])
+def test_a_number_of_seeds_below_one_is_an_argparse_error(seeds, monkeypatch, capsys):
+    """Before, ``--seeds 0`` silently ran the default number of seeds (``0 or default``) and ``--seeds -1`` ran no
+    seed and crashed after the experiment (UnboundLocalError)."""
+    ran = []
+    monkeypatch.setattr(E, "run_clutter", lambda out, img, seeds, tiny: ran.append(seeds) or {"table": {}})
+    with pytest.raises(SystemExit) as exc:
+        E.main(["clutter", "--tiny", "--seeds", seeds])
+    assert exc.value.code == 2 and ran == []
+    assert "--seeds" in capsys.readouterr().err
+    E.main(["clutter", "--tiny", "--seeds", "2"])
+    assert ran == [2]
+
+
+def test_a_single_value_has_no_spread(tmp_path):
+    """``mean_std`` of one value: before, std 0, which a table shows as "± 0.000", a measured spread of zero."""
+    import numpy as np
+
+    from common.data.synthetic import clutter_1d
+
+    assert E.mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2.0)))
+    for values in ([0.3], [0.3, float("nan")]):
+        mean, std = E.mean_std(values)
+        assert mean == 0.3 and math.isnan(std)
+    assert all(math.isnan(v) for v in E.mean_std([]))
+    t = E._summarise([{"method": "pvi", "abs_error": 0.3, "sd": 0.1}, {"method": "beta", "abs_error": 0.1},
+                      {"method": "beta", "abs_error": 0.2}], ["abs_error", "sd"])
+    assert t["pvi"]["abs_error_mean"] == 0.3 and math.isnan(t["pvi"]["abs_error_std"]) and t["pvi"]["abs_error_n"] == 1
+    assert t["beta"]["abs_error_std"] == pytest.approx(np.std([0.1, 0.2], ddof=1)) and t["beta"]["abs_error_n"] == 2
+    # the figure's error bars: a single run's cell is drawn without a bar, and does not break the plot
+    sweep = {"pvi": {"0": {"abs_error_mean": 0.1, "abs_error_std": float("nan")},
+                     "0.25": {"abs_error_mean": 1.2, "abs_error_std": 0.1}}}
+    E._plot_clutter(tmp_path / "c.png", clutter_1d(n=40, eps=0.25, seed=0),
+                    {"pvi": (-1.0, 0.2, "PVI"), "mle": (-0.5, 0.0, "MLE")}, sweep, (0.0, 0.25))
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_summary_files_are_strict_json_with_missing_values_as_null(tmp_path):
+    """A single run's spread (NaN) and failed runs' values were written as the bare token NaN, which is not JSON."""
+    path = tmp_path / "s" / "summary.json"
+    E.write_json(path, {"std": E.mean_std([0.3])[1], "curve": {"0": np.float32("nan")}, "mean": 0.3})
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"non-JSON token {token}")
+    assert json.loads(path.read_text(), parse_constant=refuse) == {"std": None, "curve": {"0": None}, "mean": 0.3}

@@ -24,7 +24,8 @@ from common.config import parse_run_config
 from common.metrics import calibration_bin_sums, reliability_bins
 from common.problem import build_problem
 from strategies.pgvi import PGVIStrategy
-from strategies.results import RoundRecorder, dumps_json
+from common.strict_json import dumps_json
+from strategies.results import RoundRecorder
 from tests.test_strategy_edge_cases import _EvalReply
 
 
