@@ -12,9 +12,10 @@ import math
 from fractions import Fraction
 import sys
 from collections.abc import Mapping
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,30 @@ SEED_MAX = 2**32 - 1
 # (smallest normal, largest finite) of each dtype, as numpy's finfo(...).tiny / .max
 _FLOAT_RANGE = {"float32": (2.0**-126, (2.0 - 2.0**-23) * 2.0**127),
                 "float64": (sys.float_info.min, sys.float_info.max)}
+
+
+#: What a key whose range its own validator checks takes, as the message refusing a bool for it says.
+_KIND_TEXT = {"damping": "a number in (0, 1] or 'auto'", "max_staleness": "an integer >= 0 or 'auto'"}
+_BOUND_TEXT = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+_UNIONS = (Union, types.UnionType)  # ``Union[int, str]`` and ``int | str``
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes a bool (``bool``, or a union with ``bool`` in it)."""
+    return annotation is bool or (get_origin(annotation) in _UNIONS and bool in get_args(annotation))
+
+
+def _kind(annotation: Any, metadata: list[Any] = ()) -> str:
+    """What a field of type ``annotation`` (with pydantic's ``gt``/``ge``/``lt``/``le`` metadata) takes, in words:
+    ``'a number > 0'``, ``'an integer >= 0 and <= 4294967295'``, ``"one of 'iid', 'dirichlet'"``."""
+    if get_origin(annotation) in _UNIONS:
+        return " or ".join(_kind(a) for a in get_args(annotation))
+    if get_origin(annotation) is Literal:
+        values = get_args(annotation)
+        return repr(values[0]) if len(values) == 1 else "one of " + ", ".join(map(repr, values))
+    base = {int: "an integer", float: "a number", str: "a string"}.get(annotation, getattr(annotation, "__name__", "?"))
+    bounds = [f"{op} {getattr(m, attr)!r}" for m in metadata for attr, op in _BOUND_TEXT if hasattr(m, attr)]
+    return base + (" " + " and ".join(bounds) if bounds else "")
 
 
 def clients_per_round(fraction: float, n: int) -> int:
@@ -155,6 +180,19 @@ class RunConfig(BaseModel):
     resume: str = Field("", description="directory of a checkpoint to resume from ('' = start fresh)")
 
     # ---- validators ----------------------------------------------------------------------------
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_only_for_bool_keys(cls, v: object, info: ValidationInfo) -> object:
+        # pydantic's lax mode reads a bool as the number 1 / 0 (`-c lr=true` would be lr = 1.0, `batch-size=false`
+        # full batch): a TOML bool is refused for every key that is not a bool (strings such as "false" for a bool
+        # key and 5.0 for an integer key keep pydantic's lax conversion)
+        if isinstance(v, bool) and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not _takes_bool(field.annotation):
+                kind = _KIND_TEXT.get(info.field_name) or _kind(field.annotation, field.metadata)
+                raise ValueError(f"must be {kind}, got {v!r} (a TOML bool)")
+        return v
+
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str) -> str:
@@ -204,14 +242,6 @@ class RunConfig(BaseModel):
     def _damping_range(cls, v: float | str) -> float | str:
         if v != "auto" and not (0.0 < float(v) <= 1.0):
             raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v}")
-        return v
-
-    @field_validator("max_staleness", mode="before")
-    @classmethod
-    def _staleness_not_bool(cls, v: object) -> object:
-        # before the union: pydantic would read true / false as the integers 1 / 0
-        if isinstance(v, bool):
-            raise ValueError(f"max-staleness must be an integer >= 0 or 'auto', got {v!r}")
         return v
 
     @field_validator("max_staleness")

@@ -77,9 +77,11 @@ import tomli_w
 
 try:  # works both as `python scripts/deploy.py` and as `import scripts.deploy`
     from scripts import pki
+    from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers
 except ImportError:  # pragma: no cover - direct execution
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pki  # type: ignore[no-redef]
+    from stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # type: ignore[no-redef]
 
 __all__ = [
     "DEFAULT_CONNECTION",
@@ -1696,33 +1698,9 @@ def _print_result(res: RunResult) -> None:
     }, indent=2))  # fmt: skip
 
 
-def _raise_interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-@contextlib.contextmanager
-def _signal_handlers(handler: Any, sigs: Sequence[int]) -> Any:
-    """Install ``handler`` for ``sigs`` (main thread only), restoring the old handlers on exit."""
-    old: dict[int, Any] = {}
-    for sig in sigs:
-        try:
-            old[sig] = signal.signal(sig, handler)
-        except ValueError:  # pragma: no cover - not the main thread
-            pass
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-
-
-#: Signals that stop `up`/`run` like Ctrl-C does (KeyboardInterrupt, so cleanup runs).
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
 def _stop_quietly(dep: Deployment) -> None:
     """``dep.stop()`` that a second Ctrl-C/SIGTERM cannot cut short (it takes <~20 s)."""
-    with _signal_handlers(signal.SIG_IGN, (signal.SIGINT, *_STOP_SIGNALS)):
+    with signal_handlers(signal.SIG_IGN, (signal.SIGINT, *STOP_SIGNALS)):
         print("stopping all processes ...", file=sys.stderr, flush=True)
         dep.stop()
 
@@ -1736,7 +1714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("up", "run"):
             # SIGTERM/SIGHUP act like Ctrl-C: the `finally` blocks below (and in run_app) run
-            with _signal_handlers(_raise_interrupt, _STOP_SIGNALS):
+            with signal_handlers(raise_interrupt, STOP_SIGNALS):
                 return _up(args) if args.command == "up" else _run(args)
         return _down(args) if args.command == "down" else _status(args)
     except DeploymentError as err:

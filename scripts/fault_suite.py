@@ -65,6 +65,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -88,6 +89,7 @@ from common.config import RunConfig, parse_run_config  # noqa: E402
 from common.families import GaussianFactor  # noqa: E402
 from common.problem import build_problem  # noqa: E402
 from scripts.deploy import Deployment, RunResult, free_port_kwargs  # noqa: E402
+from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 from strategies.checkpoint import CHECKPOINT_FILE  # noqa: E402
 from strategies.reference import exact_sites, expected_posterior, max_natural_diff  # noqa: E402
 
@@ -147,7 +149,10 @@ def _now() -> str:
 
 
 def say(msg: str) -> None:
-    print(f"[{_now()} load {os.getloadavg()[0]:5.1f}] {msg}", flush=True)
+    """A progress line on stdout; never raises (after SIGHUP the terminal may be gone: a write to it fails with
+    EIO, which must not keep the suite from stopping its deployments and writing its results)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"[{_now()} load {os.getloadavg()[0]:5.1f}] {msg}", flush=True)
 
 
 # ======================================================================================================
@@ -988,6 +993,35 @@ def _expand(only: Sequence[str]) -> list[str]:
     return out
 
 
+def _int_at_least(low: int, why: str = "") -> Callable[[str], int]:
+    """argparse type: an integer >= ``low`` (checked before anything starts, not when a scenario first uses it)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{why}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite_number(low: float = 0.0, *, allow_low: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number > ``low`` (>= ``low`` with ``allow_low``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (value == low and not allow_low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_low else '>'} {low:g}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", default=None, metavar="SCENARIO",
@@ -995,36 +1029,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"groups: {', '.join(g + '=' + '+'.join(v) for g, v in GROUPS.items())}. "
                         "baseline always runs with a 3-client scenario")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "fault_suite"), help="output dir (default runs/fault_suite)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the 3-client runs (faults hit round 2)")
-    p.add_argument("--byz-rounds", type=int, default=2, help="rounds of the Byzantine runs")
-    p.add_argument("--honest", type=int, default=10, help="honest clients in the Byzantine runs")
-    p.add_argument("--round-timeout", type=float, default=600.0, help="run config round-timeout-s")
-    p.add_argument("--wait-for-clients", type=float, default=300.0, help="run config wait-for-clients-s")
-    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a flwr run is stopped")
-    p.add_argument("--poll-interval", type=float, default=1.0, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
+    p.add_argument("--rounds", type=_int_at_least(3, " (faults hit round 2, round 3 shows the recovery)"), default=3,
+                   help="rounds of the 3-client runs (faults hit round 2; >= 3)")
+    p.add_argument("--byz-rounds", type=_int_at_least(1), default=2, help="rounds of the Byzantine runs (>= 1)")
+    p.add_argument("--honest", type=_int_at_least(1), default=10, help="honest clients in the Byzantine runs (>= 1)")
+    p.add_argument("--round-timeout", type=_finite_number(), default=600.0, help="run config round-timeout-s (> 0)")
+    p.add_argument("--wait-for-clients", type=_finite_number(allow_low=True), default=300.0,
+                   help="run config wait-for-clients-s (>= 0)")
+    p.add_argument("--run-timeout", type=_finite_number(), default=1800.0, help="seconds before a flwr run is stopped")
+    p.add_argument("--poll-interval", type=_finite_number(), default=1.0, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
     p.add_argument("--superlink-state", choices=("sqlite", "memory"), default="memory",
                    help="SuperLink state: memory (default; no SQLite 'database is locked' under load, Finding 2) "
                         "or sqlite (the durable state.db)")
-    p.add_argument("--max-load", type=float, default=16.0, help="wait before a run while loadavg(1 min) >= this")
-    p.add_argument("--load-wait", type=float, default=60.0, help="longest wait for the load to drop (s)")
-    p.add_argument("--retries", type=int, default=1, help="retries of a scenario after an INFRA failure")
+    p.add_argument("--max-load", type=_finite_number(), default=16.0,
+                   help="wait before a run while loadavg(1 min) >= this (> 0)")
+    p.add_argument("--load-wait", type=_finite_number(allow_low=True), default=60.0,
+                   help="longest wait for the load to drop (s)")
+    p.add_argument("--retries", type=_int_at_least(0), default=1,
+                   help="retries of a scenario after an INFRA failure (>= 0; 0 = run each scenario once)")
     args = p.parse_args(argv)
-    if args.rounds < 3:
-        raise SystemExit("--rounds must be >= 3 (faults hit round 2, round 3 shows the recovery)")
     selected = list(dict.fromkeys(_expand(args.only) if args.only else DEFAULT))
     if any(s in THREE_NODE for s in selected) and "baseline" not in selected:
         selected.insert(0, "baseline")
     suite = Suite(args)
-
-    def on_term(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
     say(f"fault suite: {', '.join(selected)}; output {suite.out}; app snapshot sha256 {suite.app_sha[:16]}")
     try:
-        return suite.run(selected)
-    except KeyboardInterrupt:
-        say("interrupted; every process was stopped")
+        # SIGTERM and SIGHUP (terminal closed, ssh dropped) act like Ctrl-C, as in scripts/deploy.py: the
+        # deployments' `finally` blocks stop every process; the old handlers are restored afterwards
+        with signal_handlers(raise_interrupt, STOP_SIGNALS):
+            return suite.run(selected)
+    except KeyboardInterrupt as err:
+        say(f"interrupted ({err or 'Ctrl-C'}); every process was stopped")
         return 130
 
 

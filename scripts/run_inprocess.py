@@ -5,6 +5,8 @@ Usage:
 
 Same strategy, same client code and same records as a Flower run; the fastest way to try a configuration.
 ``--method fedavg`` runs the FedAvg baseline (Flower's ``FedAvg`` + ``client/fedavg_app.py``) instead.
+The records go to --out (a ``-c output-dir=...`` is refused, as by scripts/simulate.py), and the run config they
+record names that directory as its ``output-dir``.
 """
 
 from __future__ import annotations
@@ -50,14 +52,19 @@ def run_fedavg_baseline(raw: dict, out: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "inprocess")
+    ap.add_argument("-c", "--config", action="append", default=[],
+                    help="run-config override key=value (TOML value); not output-dir (use --out)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "inprocess", help="the directory of the records")
     ap.add_argument("--method", choices=("pgvi", "fedavg"), default="pgvi")
     args = ap.parse_args()
     try:
+        from scripts.simulate import refuse_output_dir
+
         raw = load_run_config(args.config)
+        refuse_output_dir(args.config, f"--out (now {args.out})")
     except ValueError as e:
         ap.error(str(e))
+    raw = {**raw, "output-dir": str(args.out)}  # where the records are, as their run config says
     try:
         (run_fedavg_baseline if args.method == "fedavg" else run)(raw, args.out)
     except ConfigError as e:  # a bad run-config value: its message, not a traceback

@@ -25,14 +25,24 @@ that happened (a loaded machine), the script starts the same SuperLink itself, w
 
 One simulation at a time per --out directory: a second one on the same --out is refused while the first
 runs (they would share FLWR_HOME, and the first to finish would stop the other's SuperLink).
+
+No time limit by default (a simulation of 1,000 clients may well run for hours); --timeout-s S stops it after S
+seconds: ``flwr run`` is killed, the cleanup runs, and the script prints one error line and exits 1.
+
+Ctrl-C, SIGTERM and SIGHUP (terminal closed, ssh session dropped) stop the simulation like the end of a run does:
+every process of it is stopped, then the script exits 130.  The cleanup itself ignores further stop signals (it
+takes at most ~30 s: SIGTERM, up to 20 s for the processes to exit, then SIGKILL), so a second Ctrl-C or SIGTERM
+cannot cut it short and leave a process that ignores SIGTERM running.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fcntl
 import json
+import math
 import os
 import re
 import signal
@@ -45,6 +55,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python scripts/simulate.py`: for scripts.stop_signals
+    sys.path.insert(0, str(ROOT))
+from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
+
 FLWR_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -219,8 +233,19 @@ def _wait_healthy(port: int, timeout: float, proc: subprocess.Popen | None = Non
         time.sleep(0.2)
 
 
+def _stderr(line: str) -> None:
+    """Print ``line`` to stderr; never raises (after SIGHUP the terminal may be gone: writing to it fails with
+    EIO, which must not cut a cleanup short)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def _warn(msg: str) -> None:
-    print(f"simulate.py: warning: {msg}", file=sys.stderr, flush=True)
+    _stderr(f"simulate.py: warning: {msg}")
+
+
+class SimulationTimeout(RuntimeError):
+    """The simulation did not finish within the time it was given (its processes were stopped)."""
 
 
 def stop_local_superlink(port: int, home: Path | None = None, timeout: float = 20.0) -> None:
@@ -324,7 +349,7 @@ def run_simulation(
     num_supernodes: int,
     workdir: Path,
     num_cpus_per_client: float = 1.0,
-    timeout: float = 1800.0,
+    timeout: float | None = None,
     stream_to: Path | None = None,
     preexec_fn: Callable[[], None] | None = None,
     superlink_timeout: float = SUPERLINK_START_TIMEOUT,
@@ -332,6 +357,8 @@ def run_simulation(
     """Run the app in simulation; returns ``{"status", "run_id", "out_dir", "log", "seconds"}``.
 
     The records go to ``workdir/outputs/run-<id>`` (``run_config``'s ``output-dir`` is replaced).
+    ``timeout``: seconds each ``flwr run`` may take (``None``: no limit); past it, ``flwr run`` is killed, every
+    process of the simulation stopped, and :class:`SimulationTimeout` raised.
     ``preexec_fn`` runs in the ``flwr run`` child before it starts (e.g. joining a memory cgroup: the SuperLink,
     the simulation and Ray's processes it starts inherit that), and in the SuperLink this function starts itself
     if Flower's did not answer within Flower's 15 s; that one gets ``superlink_timeout`` s to answer."""
@@ -382,7 +409,14 @@ def _start_superlink(env: dict, home: Path, http_port: int, control_port: int,
 
 def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None) -> None:
     """Stop every process of this simulation; never raises (a failure is warned about: the caller reports the
-    run's own result either way)."""
+    run's own result either way).  Ctrl-C, SIGTERM and SIGHUP are ignored while it runs (in the main thread):
+    a second one would otherwise raise out of the wait for the processes to exit and skip the SIGKILL of those
+    that ignore SIGTERM."""
+    with signal_handlers(signal.SIG_IGN, (signal.SIGINT, *STOP_SIGNALS)):
+        _stop_everything(http_port, home, own)
+
+
+def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None) -> None:
     try:
         stop_local_superlink(http_port, home)
     except Exception as err:  # noqa: BLE001
@@ -405,7 +439,7 @@ def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None) -> None:
 
 
 def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path, home: Path,
-                           num_cpus_per_client: float, timeout: float, stream_to: Path | None,
+                           num_cpus_per_client: float, timeout: float | None, stream_to: Path | None,
                            preexec_fn: Callable[[], None] | None = None,
                            superlink_timeout: float = SUPERLINK_START_TIMEOUT) -> dict:
     http_port, control_port = free_port(), free_port()
@@ -428,8 +462,14 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     try:
         for attempt in range(2):
             with open(log_path, "w") as log:
-                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                               check=False, preexec_fn=preexec_fn)
+                try:
+                    subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                   check=False, preexec_fn=preexec_fn)
+                except subprocess.TimeoutExpired:  # subprocess.run has killed `flwr run`; _cleanup stops the rest
+                    raise SimulationTimeout(
+                        f"the simulation did not finish within {timeout:g} s; `flwr run` was killed "
+                        f"and the simulation's processes stopped (log {log_path})"
+                    ) from None
             if attempt == 1 or _FLOWER_START_FAILED not in log_path.read_text(errors="replace"):
                 break
             # Flower 1.39's `flwr run` waits a fixed 15 s for the SuperLink it starts and then KILLS it
@@ -450,8 +490,11 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
                 break
         if started_run_id(log_path.read_text(errors="replace")) is not None:
             # (only then: on a `:local:` connection with no SuperLink answering, `flwr ls` would start one)
-            ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=120)
+            try:
+                ls = subprocess.run([_flwr_bin("flwr"), "ls", "pgvi-sim", "--format", "json"], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=120)
+            except subprocess.TimeoutExpired:  # the status is then reported as "unknown"
+                _warn("`flwr ls` did not answer within 120 s: the run's final status is unknown")
     finally:
         _cleanup(http_port, home, own)
     seconds = time.time() - t0
@@ -514,8 +557,25 @@ def pyproject_run_config(overrides: list[str] | tuple[str, ...] = ()) -> dict:
     return run_config
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def refuse_output_dir(overrides: list[str] | tuple[str, ...], records: str) -> None:
+    """``ValueError`` if a ``-c`` override sets ``output-dir``: a script that chooses where the records go (with
+    --out; ``records`` says where) would otherwise write them elsewhere than the run config it records says."""
+    for item in overrides:
+        if "output-dir" in parse_overrides(item):
+            raise ValueError(f"-c {item!r}: output-dir is not taken here: the records go to {records}; choose the "
+                             "directory with --out")
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of --timeout-s: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r} (leave it out for "
+                                         "no limit)")
+    return value
 
 
 def main() -> None:
@@ -533,13 +593,13 @@ def main() -> None:
     ap.add_argument("--superlink-timeout", type=float, default=SUPERLINK_START_TIMEOUT,
                     help="seconds the SuperLink this script starts, if Flower's own did not answer within "
                          "Flower's fixed 15 s, gets to answer (default %(default)g)")
+    ap.add_argument("--timeout-s", type=_positive_seconds, default=None,
+                    help="stop the simulation when `flwr run` has run this many seconds: its processes are stopped "
+                         "and the script exits 1 (default: no limit)")
     args = ap.parse_args()
     try:
         run_config = pyproject_run_config(args.config)
-        for item in args.config:
-            if "output-dir" in parse_overrides(item):
-                raise ValueError(f"-c {item!r}: output-dir is not taken here: the records go to "
-                                 f"<--out>/outputs/run-<id>; choose the directory with --out (now {args.out})")
+        refuse_output_dir(args.config, f"<--out>/outputs/run-<id> (--out is now {args.out})")
     except ValueError as err:
         ap.error(str(err))
     clients = run_config.get("num-clients")
@@ -553,17 +613,20 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "flwr-run.log"
     print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)
-    # a SIGTERM must still run run_simulation's cleanup (Flower leaves its SuperLink running detached); the
-    # handler is restored afterwards (the tests call main() inside the pytest process)
-    old_handler = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM and SIGHUP (terminal closed, ssh dropped) act like Ctrl-C: run_simulation's cleanup runs (Flower
+    # leaves its SuperLink running detached); the handlers are restored afterwards (the tests call main() inside
+    # the pytest process)
     try:
-        res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, stream_to=log_path,
-                             superlink_timeout=args.superlink_timeout)
-    except (RuntimeError, ValueError) as err:
-        print(f"simulate.py: error: {err}", file=sys.stderr)
+        with signal_handlers(raise_interrupt, STOP_SIGNALS):
+            res = run_simulation(run_config, args.supernodes, args.out, args.cpus_per_client, timeout=args.timeout_s,
+                                 stream_to=log_path, superlink_timeout=args.superlink_timeout)
+    except (RuntimeError, ValueError) as err:  # also SimulationTimeout
+        _stderr(f"simulate.py: error: {err}")
         sys.exit(1)
-    finally:
-        signal.signal(signal.SIGTERM, old_handler)
+    except KeyboardInterrupt as err:
+        _stderr(f"simulate.py: interrupted ({err or 'Ctrl-C'}); the simulation's processes were stopped "
+                f"(log {log_path})")
+        sys.exit(130)
     # run_simulation has stopped the simulation's processes (or warned that it could not): report the run
     if not res["run_id"]:
         print(f"simulate.py: no run was started: {res['status-details']} (log {log_path})", file=sys.stderr)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from common.config import ConfigError, parse_run_config
+from common.config import ConfigError, RunConfig, parse_run_config
 from common.data.partition import partition
 from common.problem import _full_dataset, build_problem, client_shard, load_full_data
 from server.app import prepare
@@ -315,3 +315,77 @@ def test_fedavg_client_rejects_a_node_config_that_disagrees_with_num_clients():
                   run_config=raw)
     with pytest.raises(ValueError, match="num-partitions=2 disagrees with run config num-clients=3"):
         fedavg_app._setup(None, ctx)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9. a TOML bool is a value of the bool keys only (review of the client plumbing, finding 1)
+
+_BOOL_KEYS = {"download", "exclusion-removes-site", "local-reparam", "conjugate", "evaluate-clients",
+              "pipeline-evaluation", "checkpoint"}
+_NON_BOOL_KEYS = sorted(f.alias for f in RunConfig.model_fields.values() if f.alias not in _BOOL_KEYS)
+
+
+def test_the_bool_keys_are_the_fields_typed_bool():
+    assert {f.alias for f in RunConfig.model_fields.values() if f.annotation is bool} == _BOOL_KEYS
+
+
+@pytest.mark.parametrize("value", [True, False])
+@pytest.mark.parametrize("key", _NON_BOOL_KEYS)
+def test_a_bool_for_a_key_that_is_not_a_bool_is_refused_naming_the_key(key, value):
+    """pydantic's lax mode read ``-c lr=true`` as lr = 1.0 and ``batch-size=false`` as 0 (full batch) without a
+    word; only max-staleness refused it."""
+    msg = _config_error({key: value})
+    assert msg.startswith(f"invalid run config: {key}: ") and f"got {value!r}" in msg, msg
+    assert msg.count(";") == 0, msg  # one error: the key's own, no other key's
+
+
+def test_a_bool_is_refused_with_what_the_key_takes():
+    assert _config_error({"lr": True}) == "invalid run config: lr: must be a number > 0, got True (a TOML bool)"
+    assert _config_error({"batch-size": False}) == ("invalid run config: batch-size: must be an integer >= 0, "
+                                                    "got False (a TOML bool)")
+    assert _config_error({"damping": True}) == ("invalid run config: damping: must be a number in (0, 1] or "
+                                                "'auto', got True (a TOML bool)")
+    assert "partitioner: must be one of 'iid', 'label_skew', 'dirichlet', 'size_skew', got True" in \
+        _config_error({"partitioner": True})
+    both = _config_error({"num-server-rounds": True, "seed": False})
+    assert "num-server-rounds: must be an integer >= 1, got True" in both and "seed: must be an integer >= 0" in both
+
+
+def test_bools_from_the_command_line_are_refused_before_round_1():
+    """The reviewer's case: ``-c 'num-server-rounds=true lr=true batch-size=false ...'`` through simulate.py's
+    parser and the ServerApp's prepare()."""
+    from scripts.simulate import pyproject_run_config
+
+    raw = pyproject_run_config(["num-server-rounds=true lr=true batch-size=false fraction-train=true seed=true "
+                                "object-pull-retry-s=true torch-threads=true"])
+    msg = _config_error(raw, via_prepare=True)
+    for key in ("num-server-rounds", "lr", "batch-size", "fraction-train", "seed", "object-pull-retry-s",
+                "torch-threads"):
+        assert f"{key}: must be" in msg, (key, msg)
+
+
+def test_a_bool_batch_size_in_the_node_config_is_refused():
+    from client.node_request import node_run_config
+    from common.errors import PGVIError
+
+    raw = app_config()
+    cfg, _, _ = node_run_config(raw, {"partition-id": 0, "batch-size": 4})
+    assert cfg.batch_size == 4
+    with pytest.raises(PGVIError, match=r"^node config batch-size: must be an integer >= 0, got True \(a TOML bool\)$"):
+        node_run_config(raw, {"partition-id": 0, "batch-size": True})
+
+
+@pytest.mark.parametrize(("text", "expected"), [("false", False), ("no", False), ("0", False), ("off", False),
+                                                ("true", True), ("yes", True), ("1", True), (False, False),
+                                                (True, True)])
+def test_bool_keys_keep_taking_bools_and_their_strings(text, expected):
+    cfg = parse_run_config({key: text for key in _BOOL_KEYS})
+    assert all(getattr(cfg, key.replace("-", "_")) is expected for key in _BOOL_KEYS)
+
+
+def test_numbers_keep_their_lax_conversions():
+    cfg = parse_run_config({"num-server-rounds": 5.0, "batch-size": 3.0, "lr": 1, "damping": 1, "max-staleness": 2,
+                            "hidden": 200})
+    assert (cfg.num_server_rounds, cfg.batch_size, cfg.lr, cfg.damping, cfg.max_staleness, cfg.hidden) == \
+        (5, 3, 1.0, 1, 2, "200")
+    assert isinstance(cfg.num_server_rounds, int) and isinstance(cfg.lr, float)

@@ -214,3 +214,49 @@ def test_module_refuses_a_bad_fab_cache_value():
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PGVI_FAB_CACHE": "maybe"})
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == ["pgvi-superexec: PGVI_FAB_CACHE='maybe' must be 0 or 1 (or false/true, no/yes, off/on)"]
+
+
+def test_a_relative_flwr_home_hits_the_cache(fabs, tmp_path, monkeypatch):
+    """FLWR_HOME=rel-home: Flower installs under <cwd>/rel-home and returns a relative path; the marker used to be
+    refused as relative, so every message ran Flower's install (review of the client plumbing, finding 4)."""
+    import hashlib
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLWR_HOME", "rel-home")
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    paths = [cached(fabs["a"], skip_prompt=True) for _ in range(3)]
+    assert flower.calls == 1
+    assert paths[0].is_absolute() and paths == [tmp_path / "rel-home" / "apps" / paths[0].name] * 3
+    assert (paths[0] / "tiny" / "app.py").is_file()
+    marker = tmp_path / "rel-home" / fab_cache.MARKER_DIR / "unknown" / hashlib.sha256(fabs["a"]).hexdigest()
+    assert marker.read_text() == str(paths[0])
+    elsewhere = tmp_path / "elsewhere"  # the same relative FLWR_HOME from another directory is another FLWR_HOME
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cached(fabs["a"], skip_prompt=True) == elsewhere / "rel-home" / "apps" / paths[0].name
+    assert flower.calls == 2
+
+
+def test_an_incomplete_install_is_never_marked(fabs, home, caplog):
+    """Flower returns an existing install directory as it is: one another ClientApp is still copying into, or one
+    an install cut short (a full disk) left.  The cache marks it only once it holds every file of the FAB at its
+    size, and says what it lacks until then."""
+    import hashlib
+
+    path = install_from_fab(fabs["a"], skip_prompt=True)  # Flower alone
+    app = path / "tiny" / "app.py"
+    app.unlink()
+    marker = home / fab_cache.MARKER_DIR / "unknown" / hashlib.sha256(fabs["a"]).hexdigest()
+    flower = Counting()
+    cached = fab_cache.make_cached_install(flower, get_flwr_home)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert [cached(fabs["a"], skip_prompt=True) for _ in range(2)] == [path, path]
+    assert flower.calls == 2 and not marker.exists()
+    assert f"{path} lacks 1 of the FAB's files (e.g. tiny/app.py)" in caplog.text
+    app.write_text("client = ")  # a truncated copy
+    cached(fabs["a"], skip_prompt=True)
+    assert flower.calls == 3 and not marker.exists()
+    app.write_text("client = server = None\n")  # complete: marked by the next message, a hit after that
+    assert cached(fabs["a"], skip_prompt=True) == path and marker.read_text() == str(path)
+    assert cached(fabs["a"], skip_prompt=True) == path and flower.calls == 4
