@@ -30,7 +30,8 @@
   prior is the minimiser no gradient vanishes and L-BFGS cannot certify it.  The prior's subgradient
   optimality condition is tested first (:func:`fisher_rao_prior_dual_norm`); if it holds the prior is
   returned exactly, unless the optimiser started from the KL solution finds a lower objective (the
-  objective is not convex; see :meth:`ServerGVIStep._prior_unless_beaten`).
+  objective is not convex; see :meth:`ServerGVIStep._prior_unless_beaten`); that run stops once it enters a
+  ball around the prior on which nothing is lower than the prior (:func:`fisher_rao_prior_basin`).
 
 Tolerance of the numerical path, scale-aware.  Convergence is judged in the whitened coordinates of the current
 point (the mean in its standard deviations, the scale in logs), where each parameter's error is measured in its own
@@ -309,14 +310,43 @@ class _Unbounded(Exception):
     """Internal: the objective decreased towards the edge of the representable family (or to -inf)."""
 
 
+class _ReachedPrior(Exception):
+    """Internal (the Fisher-Rao prior path): the run reached the prior's basin (:class:`_PriorBasin`)."""
+
+    def __init__(self, here: _Trial, iterations: int) -> None:
+        super().__init__(f"entered the prior's basin after {iterations} iterations (Fisher-Rao distance "
+                         f"{here.divergence:.3g} to the prior, objective {here.f:.6g})")
+        self.iterations = iterations
+
+
 @dataclass
 class _Trial:
-    """One evaluation: ``f`` and ``g`` (gradient in ``z``), or ``f = inf`` and ``why`` for a rejected trial point
-    (``"domain"``: outside the divergence's domain; ``"family"``: not a representable distribution)."""
+    """One evaluation: ``f`` and ``g`` (gradient in ``z``) and the divergence term ``D_s(q || prior)`` of ``f``, or
+    ``f = inf`` and ``why`` for a rejected trial point (``"domain"``: outside the divergence's domain; ``"family"``:
+    not a representable distribution)."""
 
     f: float
     g: Tensor | None = None
     why: str | None = None
+    divergence: float = math.nan
+
+
+@dataclass(frozen=True)
+class _PriorBasin:
+    """The stop test of the Fisher-Rao prior path (:meth:`ServerGVIStep._prior_unless_beaten`): a point less than
+    ``radius`` (Fisher-Rao distance) from the prior whose objective is below ``ceiling`` (the prior's plus the
+    basin's height, less rounding), or that is closer than ``close`` (where the objective is below that height by
+    the bound of :func:`fisher_rao_prior_basin`, rounding or not), lies in the prior's basin, where nothing is
+    lower than the prior; it counts while no objective below ``floor`` (the prior's, less rounding) has been seen."""
+
+    radius: float
+    ceiling: float
+    close: float
+    floor: float
+
+    def holds(self, here: _Trial, seen: dict[str, float]) -> bool:
+        return (here.divergence < self.radius and (here.f < self.ceiling or here.divergence < self.close)
+                and seen["best"] >= self.floor)
 
 
 class ServerGVIStep:
@@ -453,6 +483,16 @@ class ServerGVIStep:
         that is not the prior): a converged result with a lower objective wins; an unconverged run that saw a
         lower objective raises as before (the prior is then known not to be the minimiser); otherwise (the run
         was drawn to the prior's kink, where it cannot converge) the prior is returned.
+
+        The run stops as soon as it enters the prior's basin having seen no objective below the prior's: a point
+        less than ``radius`` from the prior with an objective less than ``height`` above the prior's
+        (:func:`fisher_rao_prior_basin`; measured: ``height`` less the objective's rounding, or bounded: closer
+        than ``height / 2.2``).  The part of the sublevel set it is in then lies inside that ball, where the prior
+        is the only minimiser, so a descent from there can only end at the prior's kink, where it cannot converge
+        (a run that went on spent most of its evaluations approaching the kink and in line searches and further
+        rounds re-centred at it, for the prior returned anyway).  With ``dual`` within ~1e-5 of 1 the basin is
+        too small to be seen before the kink, and the run goes on as before.  ``last_info["evaluations"]``
+        counts the objective evaluations (and Hessians) of the run.
         """
         stats = prior64.mean_parameters()
         prior_value = 0.0 - float(site64.inner(stats))  # E_prior[l_s]; D(prior || prior) = 0
@@ -465,8 +505,13 @@ class ServerGVIStep:
         start, at_prior = self._start(prior64, site64)
         if not at_prior:
             seen = {"best": math.inf}
+            evaluations = self.n_evals
+            radius, height = fisher_rao_prior_basin(dual)
+            basin = _PriorBasin(radius, prior_value + height - tol, height / _FR_BASIN_SLOPE, prior_value - tol)
             try:
-                out, run = self._minimise(prior64, site64, start, seen)
+                out, run = self._minimise(prior64, site64, start, seen, basin)
+            except _ReachedPrior as hit:
+                info["explored"] = f"no better point: the run {hit}"
             except ServerOptimisationError as err:
                 if seen["best"] < prior_value - tol:
                     raise ServerOptimisationError(
@@ -480,6 +525,7 @@ class ServerGVIStep:
                     self.last_info = {**run, "fisher_rao_dual_norm": dual, "prior_objective": prior_value}
                     return out.to(prior.dtype).check_finite("server posterior").check_proper("server posterior")
                 info["explored"] = f"converged to objective {run['objective']:.6g}, not below the prior's"
+            info["evaluations"] = self.n_evals - evaluations
         self.last_info = info
         return prior.clone()
 
@@ -499,7 +545,9 @@ class ServerGVIStep:
                 mix = q.detach().combine(prior64, div.alpha, 1.0 - div.alpha)
                 if mix.improper_detail() is not None:
                     return _Trial(math.inf, why="domain")
-            value = chart.site_loss(z) + div(q, prior64)
+            loss = chart.site_loss(z)
+            distance = div(q, prior64)
+            value = loss + distance  # the same operations, in the same order, as site_loss(z) + div(q, prior64)
         except DivergenceUndefinedError:
             return _Trial(math.inf, why="domain")
         except (ImproperDistributionError, NonFiniteError, torch.linalg.LinAlgError):
@@ -514,7 +562,7 @@ class ServerGVIStep:
             return _Trial(math.inf, why="family")
         if seen is not None and f < seen["best"]:
             seen["best"] = f
-        return _Trial(f, g.detach())
+        return _Trial(f, g.detach(), divergence=float(distance.detach()))
 
     def _precondition(self, chart: _Chart, prior64: GaussianFactor) -> str:
         """Set ``chart``'s preconditioner from the Hessian of the objective at its centre, where that is affordable:
@@ -557,13 +605,18 @@ class ServerGVIStep:
     # ----------------------------------------------------------------------------------------------
     # the optimiser
     def _minimise(self, prior64: GaussianFactor, site64: GaussianFactor, start: GaussianFactor,
-                  seen: dict[str, float]) -> tuple[GaussianFactor, dict[str, Any]]:
+                  seen: dict[str, float], basin: _PriorBasin | None = None) -> tuple[GaussianFactor, dict[str, Any]]:
         """Minimise the objective from ``start``: up to ``max_rounds`` rounds of at most ``max_iter`` (preconditioned)
         L-BFGS iterations, each in coordinates whitened (and preconditioned) around the point the last one reached; a
         preconditioned round also re-centres whenever it has moved :attr:`RECENTRE` from its centre (a Newton-like
         outer iteration within the round's iterations).  Returns the minimiser and the run's info; raises
         :class:`ServerOptimisationError` if it does not converge.  ``seen["best"]`` is lowered to every finite
-        objective value evaluated."""
+        objective value evaluated.
+
+        ``basin`` (the Fisher-Rao prior path): the run raises :class:`_ReachedPrior` as soon as a point it reaches
+        (a centre that is not converged, or a point a line search accepted) is in the prior's basin
+        (:class:`_PriorBasin`): a descent from there is drawn to the prior's kink, where no gradient vanishes, and
+        the rest of its budget would go to line searches there."""
         centre = start
         iterations, rounds, recentred, in_round, stop = 0, 1, 0, 0, ""
         adam_pending = self.adam_steps > 0
@@ -582,14 +635,19 @@ class ServerGVIStep:
                 grad_max, newton_max = chart.measure(here.g)
                 if newton_max <= self.tolerance_grad or (stop and stop != "recentre"):
                     break  # converged, or (after the last round) the convergence test at the point returned
+                if basin is not None and basin.holds(here, seen):
+                    raise _ReachedPrior(here, iterations)
                 if adam_pending:
                     z, here = self._adam(chart, prior64, z, here, seen)
                     adam_pending = False
                 z, here, its, stop, why = self._lbfgs(chart, prior64, z, here, seen, self.max_iter - in_round,
-                                                      math.inf if preconditioned == "n/a" else self.RECENTRE)
+                                                      math.inf if preconditioned == "n/a" else self.RECENTRE,
+                                                      basin)
                 iterations += its
                 in_round += its
                 rejected |= why
+                if stop == "prior's basin":
+                    raise _ReachedPrior(here, iterations)
                 with torch.no_grad():
                     centre = chart.factor(z).detach()
                 if stop == "recentre" and in_round < self.max_iter:
@@ -640,12 +698,14 @@ class ServerGVIStep:
         return x.detach().clone(), here
 
     def _lbfgs(self, chart: _Chart, prior64: GaussianFactor, z: Tensor, here: _Trial, seen: dict[str, float],
-               max_iter: int, radius: float) -> tuple[Tensor, _Trial, int, str, set[str]]:
+               max_iter: int, radius: float,
+               basin: _PriorBasin | None = None) -> tuple[Tensor, _Trial, int, str, set[str]]:
         """L-BFGS from ``z`` (with the trial ``here`` there) for at most ``max_iter`` iterations, with a line search
         that treats a rejected trial point as ``+inf`` (it backs off).  Stops (``"recentre"``) once ``z`` is more than
         ``radius`` from the centre, or (finite ``radius``) after :attr:`RECENTRE_ITERATIONS` iterations (a
         preconditioner from the centre's Hessian is then stale; near a log barrier the Hessian changes within a
-        small step).  Returns ``(z, trial, iterations, why it stopped, kinds of rejected trial points seen)``."""
+        small step); with ``basin`` (see :meth:`_minimise`) also (``"prior's basin"``) at an accepted point in the
+        prior's basin.  Returns ``(z, trial, iterations, why it stopped, kinds of rejected trial points seen)``."""
         s_hist: list[Tensor] = []
         y_hist: list[Tensor] = []
         rejected: set[str] = set()
@@ -683,6 +743,9 @@ class ServerGVIStep:
                     s_hist.pop(0)
                     y_hist.pop(0)
             z, here = z + step, new
+            if basin is not None and basin.holds(here, seen):
+                stop = "prior's basin"
+                break
             if float(step.abs().max()) <= self.tolerance_change:
                 stop = "step below tolerance_change"
                 break
@@ -881,6 +944,41 @@ def fisher_rao_prior_dual_norm(prior: GaussianFactor, global_site: GaussianFacto
         e1, e2 = global_site.eta1[0], global_site.eta2[0, 0]
         return math.sqrt(float(v * (e1 + 2.0 * e2 * m) ** 2 + 2.0 * (e2 * v) ** 2))
     return None
+
+
+#: largest radius of :func:`fisher_rao_prior_basin` (its curvature bound holds within this distance of the prior)
+_FR_BASIN_CAP = 0.1
+#: within the basin ``F(q) - F(prior) < _FR_BASIN_SLOPE * FR(q, prior)`` (:func:`fisher_rao_prior_basin`)
+_FR_BASIN_SLOPE = 2.2
+
+
+def fisher_rao_prior_basin(dual: float) -> tuple[float, float]:
+    """``(radius, height)``: on the ball of Fisher-Rao ``radius`` around the prior, the objective ``F(q) = E_q[l_s] +
+    FR(q, prior)`` of a prior with dual norm ``dual < 1`` (:func:`fisher_rao_prior_dual_norm`) increases along
+    every geodesic from the prior (which is the ball's only minimiser), and on its sphere ``F >= F(prior) +
+    height``.  ``(0, 0)`` if ``dual >= 1``.  So a point ``q`` less than ``radius`` from the prior with ``F(q) <
+    F(prior) + height`` lies in a connected part of ``{F <= F(q)}`` that is inside the ball: nothing there is lower
+    than the prior, and a descent from ``q`` ends at the prior.  In the ball ``F(q) - F(prior) < 2.2 FR(q, prior)``
+    (:data:`_FR_BASIN_SLOPE`), so every ``q`` closer than ``height / 2.2`` is such a point.
+
+    Derivation.  The univariate Gaussians with the Fisher metric are a hyperbolic plane, the mean-field family a
+    product of such planes: every ``q`` is reached from the prior ``p`` by one unit-speed geodesic ``gamma``, with
+    ``FR(gamma(t), p) = t``, so ``F(gamma(t)) - F(p) = t + L(t) - L(0)``, ``L(t) = E_gamma(t)[l_s]``, and ``|L'(0)|
+    <= dual`` (the dual norm).  Per coordinate in ``(m, s)`` (unit speed: ``|m'| <= s``, ``|s'| <= s / sqrt2``;
+    geodesic equations ``m'' = 2 m' s' / s``, ``s'' = (s'^2 - m'^2 / 2) / s``), ``L = -(e1 m + e2 (m^2 + s^2))``
+    has ``|L''| <= a / sqrt2 + 3 b`` with ``a = s |e1 + 2 e2 m|``, ``b = |e2| s^2``.  Within distance ``t <= 0.1``
+    of ``p``, ``s <= e^(t/sqrt2) s_p`` and ``|m - m_p| <= t e^(t/sqrt2) s_p``, so ``a <= 1.074 a_p + 0.231 b_p``,
+    ``b <= 1.152 b_p`` and ``|L''| <= 0.76 a_p + 2.56 sqrt2 b_p <= 2.67 dual_i`` (Cauchy-Schwarz against ``dual_i^2
+    = a_p^2 + 2 b_p^2``); a product geodesic splits its unit speed ``sum c_i^2 = 1`` over the coordinates, so
+    ``|L''| <= 2.67 max dual_i <= 2.7``.  Hence ``dF/dt >= (1 - dual) - 2.7 t > 0`` for ``t <= radius = min(0.1,
+    (1 - dual) / 3)``, on the sphere ``F - F(p) >= (1 - dual) radius - 1.35 radius^2 >= (1 - dual) radius / 2 =
+    height``, and inside ``F - F(p) <= (1 + dual) t + 1.35 t^2 < 2.2 t``.  (A numerical search over random
+    problems found ``|L''|`` up to 1.5 dual.)
+    """
+    if not dual < 1.0:
+        return 0.0, 0.0
+    radius = min(_FR_BASIN_CAP, (1.0 - dual) / 3.0)
+    return radius, 0.5 * (1.0 - dual) * radius
 
 
 def make_server_step(divergence: str = "kl", *, method: str = "auto", **options: Any) -> ServerStep:
