@@ -19,6 +19,7 @@ from common.divergences import Divergence, make_divergence
 from common.factors import ServerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.local_gvi import LocalGVIConfig
+from common.likelihoods import check_class_labels
 from common.losses import Loss, make_loss, weighted
 from common.models import LikelihoodModel, make_model
 from common.server_gvi import make_server_step
@@ -181,9 +182,22 @@ class Problem:
     dtype: torch.dtype
 
     def tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` in the problem's dtype and ``y`` as ``long`` class labels (classifiers) or in the dtype.
+
+        A classifier's labels are checked here, where the data is loaded, before the cast: ``ValueError``
+        naming the dataset and model unless they are (integer-valued) class indices in ``[0, num_classes)``.
+        The cast alone would truncate a float label (``0.99`` -> class 0) without a word, and the training
+        loop checks the labels only once per :func:`~common.local_gvi.local_gvi` call, not per minibatch.
+        """
         xt = torch.as_tensor(np.asarray(x), dtype=self.dtype)
         if self.model.is_classifier:
-            yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+            raw = torch.as_tensor(np.asarray(y))
+            c = int(self.model.num_classes)  # type: ignore[attr-defined]  # every classifier model has it
+            cfg = self.cfg  # None for a hand-built Problem (tests): then name the model only
+            what = (f"dataset '{cfg.dataset}' (model '{cfg.model}', {c} classes)" if cfg is not None
+                    else f"model '{self.model.name}' ({c} classes)")
+            check_class_labels(raw, c, what)
+            yt = raw.to(torch.long)
         else:
             yt = torch.as_tensor(np.asarray(y), dtype=self.dtype)
         return xt, yt
