@@ -54,7 +54,8 @@ class InjectedFault(RuntimeError):
 
 
 def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar]) -> tuple[RunConfig, int, str]:
-    """The validated run config as this node runs it (node-level ``batch-size``), its partition and client id."""
+    """The validated run config as this node runs it (node-level ``batch-size``), its partition and client id
+    (checked: ``strategies.codec.client_id_problem``)."""
     # imported here: the ClientApp process of a train or evaluate message never validates the config (its worker
     # does), and building the pydantic models costs every such process about 6 ms of CPU
     from common.config import ConfigError, parse_run_config
@@ -72,4 +73,10 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
         except ConfigError as err:
             raise PGVIError(f"node config {err}".replace("invalid run config: ", "")) from None
     client_id = str(node_config.get("client-id", f"site-{partition_id}"))
+    # the id keys the server's ledger and checkpoint: a node with an id the server would refuse fails here, in its
+    # identity query before round 1, with the reason, instead of never being identified
+    from strategies.codec import client_id_problem
+
+    if (why := client_id_problem(client_id)) is not None:
+        raise PGVIError(f"node config client-id {why}")
     return cfg, partition_id, client_id

@@ -2,13 +2,15 @@
 
 Write = temp file in the same directory + fsync + ``os.replace`` + directory fsync, so a reader sees either
 the old file or the new one, never a torn write, even across a power cut.  Used for the client state, the
-server checkpoint and a run's result files.
+server checkpoint and a run's result files.  A process killed mid-write leaves its temp file behind
+(:func:`stale_temp_files`; the server removes its checkpoint's when a strategy starts).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,13 @@ from typing import BinaryIO
 import numpy as np
 
 _META_KEY = "__meta__"
+#: ``tempfile.mkstemp``'s random part of a temp file's name (8 of these characters, CPython 3.x)
+_TEMP_RANDOM = r"[a-z0-9_]{8}"
+
+
+def _temp_affixes(path: Path) -> tuple[str, str]:
+    """``(prefix, suffix)`` of the temp files :func:`atomic_write` creates for ``path``."""
+    return f".{path.stem}.", ".tmp"
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int = 0o600) -> Path:
@@ -24,7 +33,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mod
     The file gets ``mode`` (default 0600: client state and checkpoints are private; result files pass 0644)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    prefix, suffix = _temp_affixes(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
@@ -42,6 +52,36 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mod
             os.unlink(tmp)
         raise
     return path
+
+
+def stale_temp_files(path: str | os.PathLike) -> list[Path]:
+    """The temp files :func:`atomic_write` left beside ``path`` when its process was killed mid-write (a temp file
+    is removed on any exception, but not on SIGKILL or a power cut): the regular files named exactly as it names
+    them for ``path`` (``.<stem>.<8 random characters>.tmp``; another target with the same stem, e.g. ``x.json``
+    beside ``x.npz``, shares the pattern).  Only safe to delete while no process is writing ``path``."""
+    path = Path(path)
+    prefix, suffix = _temp_affixes(path)
+    pattern = re.compile(re.escape(prefix) + _TEMP_RANDOM + re.escape(suffix))
+    try:
+        names = os.listdir(path.parent)
+    except (FileNotFoundError, NotADirectoryError):  # nothing written there yet
+        return []
+    return sorted(path.parent / n for n in names
+                  if pattern.fullmatch(n) and (path.parent / n).is_file() and not (path.parent / n).is_symlink())
+
+
+def remove_stale_temp_files(path: str | os.PathLike) -> tuple[int, int]:
+    """Delete :func:`stale_temp_files` of ``path``; ``(files removed, their bytes)``.  A file that vanished or
+    cannot be removed meanwhile is skipped."""
+    removed = size = 0
+    for tmp in stale_temp_files(path):
+        try:
+            n = tmp.stat().st_size
+            tmp.unlink()
+        except OSError:
+            continue
+        removed, size = removed + 1, size + n
+    return removed, size
 
 
 def atomic_save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> Path:

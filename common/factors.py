@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from common.errors import PGVIError, ShapeMismatchError
 from common.families import GaussianFactor
 
@@ -133,7 +135,14 @@ class PGVIServerState:
         return posterior
 
     def remove_site(self, client_id: str) -> GaussianFactor:
-        """Divide a client's site out of the global approximation (``l_s -= l_m``) and reset it to uniform.
+        """Take a client's site out of the global approximation (``l_s -= l_m``) and reset it to uniform.
+
+        The global site becomes the product of the *other* sites, recomputed (summed in float64, then cast to the
+        state's dtype), not the running global site divided by the removed one: the running sum carries the
+        rounding of every Delta it absorbed, and a removed site is typically a Byzantine client's, far larger than
+        the others (a float32 run whose excluded client had pushed eta1 to 1e9 kept a residue of 61 in the global
+        site and the posterior after dividing it out, and its checkpoint was refused on resume as an inconsistent
+        ledger).  The recomputed product is what :meth:`check_invariant` compares against.
 
         Atomic like :meth:`apply`: if the posterior without the site would be improper, :class:`UpdateRejected`
         is raised and nothing changes.  Counts as an applied batch (``version`` advances).
@@ -142,7 +151,10 @@ class PGVIServerState:
         site = self.sites.get(client_id)
         if site is None:
             return self.posterior
-        global_site = self.global_site / site
+        try:
+            global_site = self._product_of_sites(exclude=client_id)
+        except PGVIError as err:
+            raise UpdateRejected(client_id, f"removing its site: {err}") from err
         try:
             posterior = self.server_step(self.prior, global_site).check_proper("server posterior")
         except PGVIError as err:
@@ -152,6 +164,16 @@ class PGVIServerState:
         self.posterior = posterior
         self.version += 1
         return posterior
+
+    def _product_of_sites(self, exclude: str | None = None) -> GaussianFactor:
+        """The product of the ledger's sites (but ``exclude``'s), accumulated in float64 and cast to the state's
+        dtype (the float32 sum of many sites rounds at every addition), checked finite."""
+        dtype = self.prior.dtype
+        total = self.prior.zeros_like().to(torch.float64)
+        for cid, s in self.sites.items():
+            if cid != exclude:
+                total = total * s.to(torch.float64)
+        return total.to(dtype).check_finite("global site")
 
     def check_invariant(self, atol: float = 1e-8) -> float:
         """max |eta(global_site) - eta(prod sites)|: must be ~0 at all times (l_s = sum_m l_m)."""

@@ -12,9 +12,16 @@ that dies at any point resumes with a ledger that every client can reconcile wit
 was applied but not checkpointed sees the older version and rolls back; nothing is lost or counted twice.
 
 Resume: a new run with ``resume = "<dir>"`` loads ``<dir>/checkpoint.npz``; the run config must be the same
-except for the keys in ``RESUME_FREE_KEYS``.  Keys added to the format after version 1 (``round-applied``,
-``ledger-tags``) take their old meaning when absent, so older checkpoints still load (without tags every client
-tag is unknown, and clients reconcile by version alone until their next applied update).
+except for the keys in ``RESUME_FREE_KEYS``; a key the checkpoint does not hold (it was written before the key
+existed) matches when this run leaves it at its default.  Keys added to the format after version 1
+(``round-applied``, ``ledger-tags``) take their old meaning when absent, so older checkpoints still load (without
+tags every client tag is unknown, and clients reconcile by version alone until their next applied update).  A file
+that is not a readable checkpoint of this run (foreign config, damaged header or arrays, inconsistent ledger) is a
+:class:`CheckpointMismatch` naming the file.
+
+A client's arrays are stored as ``site|<client id>|<array name>`` (zip member names): array names never hold ``|``,
+so the id is what lies between the first and the last ``|``; client ids are bounded printable strings
+(``strategies.codec.client_id_problem``, checked when a node identifies itself).
 """
 
 from __future__ import annotations
@@ -22,32 +29,116 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from common.atomic_io import atomic_save_npz, load_npz
+from common.atomic_io import atomic_save_npz, load_npz, remove_stale_temp_files
 from common.errors import PGVIError
+from strategies.codec import _short
 
 if TYPE_CHECKING:
     from common.families import GaussianFactor
     from strategies.pgvi import PGVIStrategy
 
 CHECKPOINT_FILE = "checkpoint.npz"
+#: The run-config keys a resumed run may set differently from the checkpoint's run.  None of them changes the
+#: server state a checkpoint holds, nor what a client computes from the messages it is sent:
+#:
+#: * ``resume``, ``output-dir``, ``checkpoint``: where the run reads and writes its records, and whether it
+#:   writes checkpoints;
+#: * ``num-server-rounds``, ``round-timeout-s``, ``wait-for-clients-s``, ``object-pull-retry-s``: how long the run
+#:   goes on and how long it waits for clients and replies;
+#: * ``pipeline-evaluation``: when a round's server evaluation runs (the records are the same);
+#: * ``eval-samples``: the Monte Carlo samples of the test metrics (server and client evaluation); the rounds
+#:   recorded after the resume are measured with the new count;
+#: * ``torch-threads``: the server's and the clients' default number of torch threads (speed; sums may round
+#:   differently in the last bits).
+#:
+#: Every other key is part of the run and must match, ``data-dir`` included (it decides the clients' data) and
+#: ``evaluate-clients`` (it decides what each round records).
 RESUME_FREE_KEYS = {
-    "resume", "output-dir", "num-server-rounds", "round-timeout-s", "wait-for-clients-s", "object-pull-retry-s",
-    "pipeline-evaluation",
+    "resume", "output-dir", "checkpoint", "num-server-rounds", "round-timeout-s", "wait-for-clients-s",
+    "object-pull-retry-s", "pipeline-evaluation", "eval-samples", "torch-threads",
 }
 _FORMAT = 1
+_ZIP_NAME_BYTES = 65_535  # a zip member name's length field is 16 bits
+_ABSENT = object()
 
 
 class CheckpointMismatch(PGVIError):
-    """The checkpoint does not belong to this run configuration."""
+    """The checkpoint does not belong to this run configuration, or is not a readable checkpoint."""
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """An error's text in a :class:`CheckpointMismatch`, cut to ``limit`` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _mismatch(path: Path, what: str) -> CheckpointMismatch:
+    """The error for checkpoint file ``path`` that cannot be resumed from: ``what``, then the file."""
+    return CheckpointMismatch(f"{what} [{path}]")
 
 
 def _config_fingerprint(flat: dict) -> dict:
     return {k: v for k, v in sorted(flat.items()) if k not in RESUME_FREE_KEYS}
+
+
+def _config_defaults() -> dict[str, object]:
+    """Every run-config key's default (``common.config.RunConfig``), by its hyphenated name."""
+    from common.config import RunConfig
+
+    return {(f.alias or name): f.get_default(call_default_factory=True) for name, f in RunConfig.model_fields.items()}
+
+
+def _config_differences(ours: dict, theirs: dict) -> list[str]:
+    """The keys in which this run's config fingerprint differs from the checkpoint's, each with both values.  A key
+    the checkpoint does not hold was added after it was written: it matches when this run leaves it at its default
+    (a key is added with the default that keeps the behaviour from before it, what the checkpoint's run did without
+    knowing the key); any other value differs, and so does a key this run does not know (a newer checkpoint's)."""
+    defaults = _config_defaults()
+    out = []
+    for k in sorted(set(ours) | set(theirs)):
+        mine, stored = ours.get(k, _ABSENT), theirs.get(k, _ABSENT)
+        if stored is _ABSENT:
+            if mine == defaults.get(k, _ABSENT):
+                continue
+            stored_text = f"absent (written before the key existed: its default {_short(defaults.get(k))})"
+        elif mine == stored:
+            continue
+        else:
+            stored_text = _short(stored)
+        mine_text = "unknown to this version" if mine is _ABSENT else _short(mine)
+        out.append(f"{k} (checkpoint: {stored_text}; this run: {mine_text})")
+    return out
+
+
+def remove_stale_temp_checkpoints(directory: str | os.PathLike) -> tuple[int, int]:
+    """Delete the temp files a server killed while writing ``directory``'s checkpoint left there (named as
+    ``common.atomic_io`` names them for ``checkpoint.npz``, nothing else); ``(files, bytes)`` removed.  Called when
+    a strategy starts, for the directory it writes to and the one it resumes from: no server may be writing there
+    then (two servers on one checkpoint overwrite each other anyway)."""
+    return remove_stale_temp_files(Path(directory) / CHECKPOINT_FILE)
+
+
+def _site_members(cid: str, site_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``site|<cid>|<array>`` for each of a site's arrays, checked to survive a zip member name exactly."""
+    assert not any("|" in k for k in site_arrays), sorted(site_arrays)
+    out = {f"site|{cid}|{k}": v for k, v in site_arrays.items()}
+    for name in out:
+        why = None
+        if "\x00" in name:
+            why = "holds a NUL character (a zip member name ends at it)"
+        else:
+            try:
+                if len(name.encode("utf-8")) + len(".npy") > _ZIP_NAME_BYTES:
+                    why = f"makes a zip member name longer than {_ZIP_NAME_BYTES} bytes"
+            except UnicodeEncodeError:
+                why = "is not encodable as UTF-8"
+        if why is not None:
+            raise PGVIError(f"cannot checkpoint client id {_short(cid)}: it {why}")
+    return out
 
 
 def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Path:
@@ -58,9 +149,7 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
     arrays.update({f"posterior|{k}": v for k, v in st.posterior.to_numpy().items()})
     arrays.update({f"global|{k}": v for k, v in st.global_site.to_numpy().items()})
     for cid, site in st.sites.items():  # client ids may contain '|'; array names never do (read back by rsplit)
-        site_arrays = site.to_numpy()
-        assert not any("|" in k for k in site_arrays), sorted(site_arrays)
-        arrays.update({f"site|{cid}|{k}": v for k, v in site_arrays.items()})
+        arrays.update(_site_members(cid, site.to_numpy()))
     meta = {
         "format": _FORMAT,
         "config": _config_fingerprint(strategy.cfg.to_flat()),
@@ -84,66 +173,118 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
 
     Everything is decoded and checked first (layouts, the posterior's properness, the ledger identity, the meta
     fields and the RNG state); the strategy is assigned only when all of it passed, so a checkpoint that fails to
-    load leaves the strategy as it was."""
-    import ast
-
+    load leaves the strategy as it was.  A missing file is a ``FileNotFoundError``; anything else that keeps it
+    from loading is a :class:`CheckpointMismatch` naming the file."""
     path = Path(directory) / CHECKPOINT_FILE
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    arrays, meta = load_npz(path)
+    try:
+        arrays, meta = load_npz(path)
+    except Exception as err:  # not a zip, no header, a header that is no JSON, an unreadable member
+        raise _mismatch(path, f"not a readable checkpoint: {type(err).__name__}: {_cut(str(err))}") from None
+    if not isinstance(meta, dict):
+        raise _mismatch(path, f"damaged header: a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != _FORMAT:
-        raise CheckpointMismatch(f"checkpoint format {meta.get('format')} is not {_FORMAT}")
-    ours = _config_fingerprint(strategy.cfg.to_flat())
-    diff = sorted(k for k in set(ours) | set(meta["config"]) if ours.get(k) != meta["config"].get(k))
+        raise _mismatch(path, f"checkpoint format {_short(meta.get('format'))} is not {_FORMAT}")
+    if not isinstance(meta.get("config"), dict):
+        raise _mismatch(path, "damaged header: 'config' is missing or not an object")
+    # both sides without the free keys: a checkpoint written before a key was made free still holds it
+    diff = _config_differences(_config_fingerprint(strategy.cfg.to_flat()), _config_fingerprint(meta["config"]))
     if diff:
-        raise CheckpointMismatch(f"run config differs from the checkpoint's in: {', '.join(diff)}")
-    like = strategy.problem.prior
+        raise _mismatch(path, f"run config differs from the checkpoint's in: {', '.join(diff)}")
+    try:
+        posterior, global_site, sites = _decode_arrays(strategy, arrays)
+    except PGVIError as err:  # a stray array; a layout, dtype or value the prior does not take; an improper posterior
+        raise _mismatch(path, str(err)) from None
+    try:
+        header = _parse_header(meta)
+    except Exception as err:  # a missing key, a value of the wrong type, a malformed RNG state
+        what = f"missing key {_cut(str(err))}" if isinstance(err, KeyError) else \
+            f"{type(err).__name__}: {_cut(str(err))}"
+        raise _mismatch(path, f"damaged header: {what}") from None
+    total = strategy.problem.prior.zeros_like()
+    for site in sites.values():
+        total = total * site
+    if total.max_abs_diff(global_site) > _invariant_tolerance(global_site, sites, header["ledger_versions"]):
+        raise _mismatch(path, "checkpoint ledger is inconsistent: global site != product of sites")
 
+    st = strategy.state
+    st.posterior, st.global_site, st.sites, st.version = posterior, global_site, sites, header["version"]
+    strategy.ledger_versions = header["ledger_versions"]
+    strategy.ledger_tags = header["ledger_tags"]
+    strategy.resync = header["resync"]
+    strategy.round_completed = header["round_completed"]
+    strategy.round_applied = header["round_applied"]
+    strategy.done_in_round = header["done_in_round"]
+    strategy.rng.setstate(header["rng_state"])
+    strategy.rejections = header["rejections"]
+    strategy.bad_replies = header["bad_replies"]
+    strategy.history = header["history"]
+    strategy._posterior_record = None
+
+
+def _decode_arrays(strategy: PGVIStrategy, arrays: dict[str, np.ndarray]
+                   ) -> tuple[GaussianFactor, GaussianFactor, dict[str, GaussianFactor]]:
+    """The checkpoint's posterior (checked proper), global site and sites, in the layout of the problem's prior."""
+    like = strategy.problem.prior
     # arrays are '<owner>|<array name>' and array names never hold '|' (a client id may): split at the last one,
     # so that the sites of clients 'a' and 'a|x' ('site|a|eta1', 'site|a|x|eta1') are told apart exactly
     groups: dict[str, dict[str, np.ndarray]] = {}
     for key, value in arrays.items():
         owner, sep, name = key.rpartition("|")
         if not sep or not (owner in ("posterior", "global") or owner.startswith("site|")):
-            raise CheckpointMismatch(f"checkpoint holds an unexpected array {key!r}")
+            raise CheckpointMismatch(f"checkpoint holds an unexpected array {_short(key)}")
         groups.setdefault(owner, {})[name] = value
-    posterior = like.from_numpy(groups.pop("posterior", {})).check_proper("checkpointed posterior")
-    global_site = like.from_numpy(groups.pop("global", {}))
-    sites = {owner[len("site|"):]: like.from_numpy(named) for owner, named in groups.items()}
-    sites = {cid: sites[cid] for cid in sorted(sites)}
 
-    version = int(meta["version"])
-    ledger_versions = {k: int(v) for k, v in meta["ledger-versions"].items()}
-    ledger_tags = {k: str(v) for k, v in meta.get("ledger-tags", {}).items() if v}  # absent: all unknown
-    resync = set(meta["resync"])
+    def decode(owner: str, what: str) -> GaussianFactor:
+        try:
+            return like.from_numpy(groups.get(owner, {}))
+        except PGVIError as err:
+            raise CheckpointMismatch(f"{what}: {err}") from None
+
+    posterior = decode("posterior", "posterior").check_proper("checkpointed posterior")
+    global_site = decode("global", "global site")
+    sites = {owner[len("site|"):]: decode(owner, f"site of client {_short(owner[len('site|'):])}")
+             for owner in groups if owner.startswith("site|")}
+    return posterior, global_site, {cid: sites[cid] for cid in sorted(sites)}
+
+
+def _str_keyed(value: object, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"'{key}' is a {type(value).__name__}, not an object")
+    return value
+
+
+def _listed(value: object, key: str) -> list:
+    if not isinstance(value, list):
+        raise TypeError(f"'{key}' is a {type(value).__name__}, not a list")
+    return value
+
+
+def _parse_header(meta: dict) -> dict[str, Any]:
+    """The server state fields of a checkpoint's JSON header, converted and checked (raises on anything damaged:
+    a missing key, a value of the wrong type, an RNG state ``random.Random`` does not take)."""
+    import ast
+
     round_completed = int(meta["round-completed"])
-    # absent from checkpoints written before it existed: resume those as their version did, at round-completed + 1
-    round_applied = max(round_completed, int(meta.get("round-applied", round_completed)))
-    done_in_round = set(meta["done-in-round"])
     rng_state = ast.literal_eval(meta["rng"])
     random.Random().setstate(rng_state)  # a malformed state raises here, not half-way through the assignment
-    rejections = list(meta["rejections"])
-    bad_replies = {k: int(v) for k, v in meta.get("bad-replies", {}).items()}  # exclusions survive a resume
-    history = list(meta["history"])
-    total = like.zeros_like()
-    for site in sites.values():
-        total = total * site
-    if total.max_abs_diff(global_site) > _invariant_tolerance(global_site, sites, ledger_versions):
-        raise CheckpointMismatch("checkpoint ledger is inconsistent: global site != product of sites")
-
-    st = strategy.state
-    st.posterior, st.global_site, st.sites, st.version = posterior, global_site, sites, version
-    strategy.ledger_versions = ledger_versions
-    strategy.ledger_tags = ledger_tags
-    strategy.resync = resync
-    strategy.round_completed = round_completed
-    strategy.round_applied = round_applied
-    strategy.done_in_round = done_in_round
-    strategy.rng.setstate(rng_state)
-    strategy.rejections = rejections
-    strategy.bad_replies = bad_replies
-    strategy.history = history
-    strategy._posterior_record = None
+    return {
+        "version": int(meta["version"]),
+        "ledger_versions": {str(k): int(v) for k, v in _str_keyed(meta["ledger-versions"], "ledger-versions").items()},
+        # absent: every tag unknown
+        "ledger_tags": {str(k): str(v) for k, v in _str_keyed(meta.get("ledger-tags", {}), "ledger-tags").items() if v},
+        "resync": set(_listed(meta["resync"], "resync")),
+        "round_completed": round_completed,
+        # absent from checkpoints written before it existed: resume those as their version did, at round-completed + 1
+        "round_applied": max(round_completed, int(meta.get("round-applied", round_completed))),
+        "done_in_round": set(_listed(meta["done-in-round"], "done-in-round")),
+        "rng_state": rng_state,
+        "rejections": list(_listed(meta["rejections"], "rejections")),
+        # exclusions survive a resume
+        "bad_replies": {str(k): int(v) for k, v in _str_keyed(meta.get("bad-replies", {}), "bad-replies").items()},
+        "history": list(_listed(meta["history"], "history")),
+    }
 
 
 def _invariant_tolerance(global_site: GaussianFactor, sites: dict[str, GaussianFactor],

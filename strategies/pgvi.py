@@ -31,9 +31,13 @@ messages as ``site-tag``, so the client commits only the update the ledger appli
 Duplicates and version mismatches are rejected without counting towards ``max-bad-replies`` (they are not
 misbehaviour); invalid content (non-finite, wrong shape, improper, a false client id) does count.
 
-Nodes are identified by a ``query`` message.  A node that does not identify itself is asked again only after a
-backoff (30 s doubling to 10 min), so a silent or misconfigured node cannot stall every round; malformed
-identity or evaluate replies are ignored with a warning and never stop the server.
+Nodes are identified by a ``query`` message; the ``client-id`` a node answers must be a printable string of at
+most 128 characters (:func:`strategies.codec.client_id_problem`: it keys the ledger and names the client's arrays in
+every checkpoint).  A node that does not identify itself is asked again only after a backoff (30 s doubling to
+10 min), so a silent or misconfigured node cannot stall every round; malformed identity or evaluate replies are
+ignored with a warning and never stop the server.  Every string of a reply that goes into a rejection's reason or a
+failure message is cut short (they are logged and rewritten into every checkpoint), and a train reply's
+``num-examples``, ``seconds`` and ``epochs`` enter the round's row only as finite numbers in [0, 2^53].
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,8 +72,8 @@ from common.server_gvi import ServerGVIStep
 from common.families import GaussianFactor
 from common.metrics import bin_sum_key, ece_from_bin_sums
 from common.problem import Problem
-from strategies.checkpoint import load_checkpoint, save_checkpoint
-from strategies.codec import arrays_to_record, factor_to_record, layout_key, record_to_factor
+from strategies.checkpoint import load_checkpoint, remove_stale_temp_checkpoints, save_checkpoint
+from strategies.codec import _short, arrays_to_record, client_id_problem, factor_to_record, layout_key, record_to_factor
 
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
 T = TypeVar("T")
@@ -104,8 +108,41 @@ def _last_line(text: str | None, limit: int = 300) -> str:
 
 def _strict_int(value: object, key: str) -> int:
     if type(value) is not int:
-        raise PGVIError(f"'{key}' must be an integer, got {value!r}")
+        raise PGVIError(f"'{key}' must be an integer, got {_short(value)}")  # a peer's value: cut short
     return value
+
+
+#: The longest text of a reply the server keeps (a failed client's ``reason``: the client cuts its own to this).
+MAX_REPLY_TEXT = 500
+
+
+def _reply_text(value: object, limit: int = MAX_REPLY_TEXT) -> str:
+    """A reply's free text (a failed client's ``reason``, an exception raised on a malformed reply) as it goes
+    into logs, rejections, ``AllClientsFailed`` and every later checkpoint: a string cut to ``limit`` characters
+    (the cut said), anything else named by its type, never its whole ``str()`` (a 2 MB string or an Array's
+    repr made every checkpoint megabytes larger)."""
+    if not isinstance(value, str):
+        return f"<a {type(value).__name__}, not a string>"
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters, cut)"
+
+
+#: Train-reply metrics the server records in the round's row, each a finite real number in [0, 2^53]
+#: (``num-examples`` an integer too).  2^53: the largest count a float holds exactly, and far from overflowing
+#: when the row sums or averages them over any number of clients (1e308 from one client made the row infinite).
+TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs")
+_TRAIN_METRIC_MAX = 2.0**53
+
+
+def _train_metric_problem(key: str, value: object) -> str | None:
+    """Why a train reply's metric ``key`` (one of :data:`TRAIN_ROW_METRICS`) cannot go into the round's row."""
+    x = _finite_number(value)
+    if x is None:
+        return "not a finite real number"
+    if not 0.0 <= x <= _TRAIN_METRIC_MAX:
+        return f"{x:g} is outside [0, 2^53]"
+    if key == "num-examples" and not x.is_integer():
+        return f"{x:g} is not a whole number"
+    return None
 
 
 def _finite_number(value: object) -> float | None:
@@ -424,6 +461,7 @@ class PGVIStrategy(Strategy):
         timeout = timeout or self.cfg.round_timeout_s
         log(INFO, "Starting PGVI strategy (%s schedule, %d rounds)", self.cfg.schedule, num_rounds)
         self.summary()
+        self._remove_stale_temp_checkpoints()
         if self.resume_from is not None:
             load_checkpoint(self, self.resume_from)
             log(INFO, "resumed from %s after round %d (posterior version %d)", self.resume_from,
@@ -447,6 +485,17 @@ class PGVIStrategy(Strategy):
         log(INFO, "PGVI finished in %.2fs: %d updates applied, %d rejected", time.time() - t0,
             sum(self.ledger_versions.values()), len(self.rejections))
         return result
+
+    def _remove_stale_temp_checkpoints(self) -> None:
+        """Delete the temp files of checkpoints a killed server was writing (``common.atomic_io`` removes its temp
+        file on any error, but a SIGKILL or a power cut leaves it: one checkpoint's size per kill, never read) in
+        the directory this run checkpoints to and the one it resumes from; nothing writes there before the run
+        starts."""
+        for directory in dict.fromkeys(d for d in (self.checkpoint_dir, self.resume_from) if d is not None):
+            removed, size = remove_stale_temp_checkpoints(directory)
+            if removed:
+                log(INFO, "removed %d temp file(s) of an interrupted checkpoint write (%.1f MB) from %s", removed,
+                    size / 1e6, directory)
 
     def pipelines_evaluation(self) -> bool:
         """Whether round r's server evaluation runs while the clients work on round r+1 (run config
@@ -891,12 +940,18 @@ class PGVIStrategy(Strategy):
                 client_version = cfg.get("site-version", 0)
             except Exception as err:
                 log(WARNING, "identity reply from node %d ignored: %s: %s", reply.metadata.src_node_id,
-                    type(err).__name__, err)
+                    type(err).__name__, _reply_text(str(err), 300))
                 continue
             if not isinstance(cid, str) or not cid:
                 log(WARNING, "identity reply from node %d ignored: no client-id string", reply.metadata.src_node_id)
                 continue
             node = reply.metadata.src_node_id
+            why = client_id_problem(cid)  # it keys the ledger and names the node's arrays in every checkpoint
+            if why is not None:
+                self._last_failure = f"node {node}: client-id {why}"
+                log(WARNING, "identity reply from node %d ignored: client-id %s (check the node's client-id "
+                    "setting)", node, why)
+                continue
             holder = next((n for n, c in self.node_client.items() if c == cid and n != node), None)
             if holder is not None and holder in connected:  # two live nodes cannot share one ledger entry
                 log(WARNING, "node %d claims client id '%s', which connected node %d holds: ignored (check the "
@@ -1141,10 +1196,16 @@ class PGVIStrategy(Strategy):
             try:
                 content = msg.content
                 cfg = content[P.CONFIG] if P.CONFIG in content else ConfigRecord()
-                status = str(cfg.get("status", ""))
-                reported = str(cfg.get("client-id", ""))
-                if reported and reported != cid:
-                    raise PGVIError(f"reply claims client id '{reported}' but node {node} is '{cid}'")
+                if not isinstance(cfg, ConfigRecord):  # its values' str() could be an Array's repr
+                    raise PGVIError(f"'{P.CONFIG}' is a {type(cfg).__name__}, not a ConfigRecord")
+                # every string of the reply that can reach a reason is cut short (reasons are logged, kept in
+                # rejections and rewritten into every checkpoint)
+                status = cfg.get("status", "")
+                if not isinstance(status, str):
+                    raise PGVIError(f"status must be a string, got a {type(status).__name__}")
+                reported = cfg.get("client-id", "")
+                if reported != "" and reported != cid:
+                    raise PGVIError(f"reply claims client id {_short(reported)} but node {node} is '{cid}'")
                 if status == P.STATUS_RESYNC:
                     stats.resync += 1
                     self.resync.add(cid)
@@ -1154,11 +1215,12 @@ class PGVIStrategy(Strategy):
                     stats.failed += 1
                     if failed_nodes is not None:
                         failed_nodes.add(node)
-                    self._last_failure = str(cfg.get("reason", ""))
-                    log(WARNING, "round %d: client '%s' could not update: %s", rnd, cid, cfg.get("reason", ""))
+                    reason = _reply_text(cfg.get("reason", ""))
+                    self._last_failure = reason
+                    log(WARNING, "round %d: client '%s' could not update: %s", rnd, cid, reason)
                     continue
                 if status != P.STATUS_OK:
-                    raise PGVIError(f"unknown status {status!r}")
+                    raise PGVIError(f"unknown status {_short(status)}")
                 if cid in seen:  # a re-executed or re-delivered message: one reply is applied, the client may have
                     # staged the other one's Delta (a re-execution can compute another): one site transfer
                     # reconciles it, as the version check does for a duplicate arriving in a later batch
@@ -1184,16 +1246,37 @@ class PGVIStrategy(Strategy):
                                  f"{self.ledger_versions.get(cid)} (duplicate, late or lost client state)", stats,
                                  bad=False)
                     continue
-                metrics = {}
-                if P.METRICS in content:
-                    metrics = {k: float(v) for k, v in content[P.METRICS].items() if isinstance(v, (int, float))}
+                metrics = self._train_metrics(rnd, cid, node, content[P.METRICS] if P.METRICS in content else {})
                 out.append(Reply(node, cid, delta, base, sent, metrics, record.count_bytes(), tag=tag))
                 seen.add(cid)
             except PGVIError as err:
                 self._reject(rnd, cid, node, str(err), stats)
             except Exception as err:  # malformed content must never crash the server
-                self._reject(rnd, cid, node, f"malformed reply: {type(err).__name__}: {err}", stats)
+                self._reject(rnd, cid, node, f"malformed reply: {type(err).__name__}: {_reply_text(str(err), 300)}",
+                             stats)
         return out
+
+    @staticmethod
+    def _train_metrics(rnd: int, cid: str, node: int, record: Mapping[str, object]) -> dict[str, float]:
+        """The :data:`TRAIN_ROW_METRICS` of a train reply that may go into the round's row.  A metric that is not a
+        finite number in [0, 2^53] (``num-examples`` a whole one) is left out with a warning naming the client and
+        node; the update itself is judged by its Delta, not by its metrics (NaN, 1e308 or a negative count went into
+        the row, the history and the checkpoint as sent)."""
+        items = dict(record.items())
+        metrics: dict[str, float] = {}
+        dropped: list[str] = []
+        for key in TRAIN_ROW_METRICS:
+            if key not in items:
+                continue
+            why = _train_metric_problem(key, items[key])
+            if why is None:
+                metrics[key] = float(items[key])
+            else:
+                dropped.append(f"{key!r} ({why})")
+        if dropped:
+            log(WARNING, "round %d: client '%s' (node %d): train metric(s) %s left out of the round's row", rnd, cid,
+                node, ", ".join(dropped))
+        return metrics
 
     def _apply_batch(self, rnd: int, decoded: list[Reply], stats: RoundStats, whole_round: bool = False) -> None:
         """Apply the Deltas that keep the posterior proper; the batch is applied atomically.
