@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from common import fused_sampling
-from common.losses import GeneralisedCrossEntropy, Loss, NegativeLogLikelihood, ScaledLoss
+from common.likelihoods import check_class_labels
+from common.losses import GeneralisedCrossEntropy, Loss, NegativeLogLikelihood, ScaledLoss, _check_representable
 from common.native import NativeLibrary, run_parallel
 
 #: Most classes the kernel handles (its per-row arrays live on the stack).
@@ -352,13 +353,16 @@ void pgvi_head_run(const float *restrict mu, const float *restrict sd, int64_t R
                    int64_t b0, int64_t b1, int nt, double *restrict losses, int *restrict status,
                    float *restrict dmu, float *restrict dvar, float *restrict dwm, float *restrict dwv,
                    float *restrict dbm, float *restrict dbv) {
+    const uint32_t fpm = pgvi_fp_mode(); /* every block in the caller's floating-point mode (PRELUDE) */
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t i = b0; i < b1; i++) {
+        uint32_t fps = pgvi_fp_enter(fpm);
         int64_t r0 = i * block_rows, r1 = r0 + block_rows < R ? r0 + block_rows : R;
         status[i] = pgvi_head_block(mu, sd, R, H, wm, bm, wv, bv, C, y, B, D, k0, k1, delta, gscale, want_grad, r0,
                                     r1, losses + i, dmu, dvar, want_grad ? dwm + i * C * H : NULL,
                                     want_grad ? dwv + i * C * H : NULL, want_grad ? dbm + i * C : NULL,
                                     want_grad ? dbv + i * C : NULL);
+        pgvi_fp_enter(fps);
     }
 }
 """
@@ -398,13 +402,55 @@ def loss_spec(loss: Loss) -> tuple[float, float] | None:
     return None
 
 
+#: float32's smallest normal number and largest finite one: the range a GCE delta must lie in (:func:`_check_delta`)
+_F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+def _check_delta(delta: float) -> None:
+    """``ValueError`` unless the GCE's ``delta`` (0: the NLL) is a normal float32 number, with the torch path's
+    message (:class:`common.losses.GeneralisedCrossEntropy`).  The kernel takes ``delta`` as a C ``float``: below
+    float32's normal range it becomes a subnormal or 0, and the kernel's ``delta > 0`` test then returned the NLL
+    (or, subnormal, an NLL off by rounding) where the torch path refuses the loss.  Two comparisons per call."""
+    if delta != 0.0 and not _F32_TINY <= abs(delta) <= _F32_MAX:
+        _check_representable("gce", "delta", delta, torch.float32, delta)
+        raise ValueError(f"gce: delta={delta:g} is not representable in torch.float32")  # if the above did not
+
+
+def _kernel_labels(y: Tensor, classes: int, batch: int) -> Tensor:
+    """The labels as the kernel reads them, a ``(batch,)`` int64 tensor, refused as the torch path
+    (:class:`common.likelihoods.CategoricalOutput`) refuses them: any shape with ``batch`` elements (e.g. a
+    ``(batch, 1)`` column) is taken in row order, any other count is a ``ValueError``; so are a bool or complex
+    dtype and a floating label that is not an integer (``0.6`` or ``-0.5``, which the ``long()`` cast turned
+    into class 0), with :func:`~common.likelihoods.check_class_labels`' message.  An integer label outside
+    ``[0, classes)`` is refused by the kernel itself (``IndexError``).
+
+    Cost on the per-step path: Python checks for integer labels; for floating ones (a caller that keeps ``0.``/
+    ``1.`` labels in float) one comparison with their ``long()`` cast, which the kernel needs anyway."""
+    if y.numel() != batch:
+        raise ValueError(f"fused head: {y.numel()} label(s) of shape {tuple(y.shape)} for a batch of {batch} "
+                         f"points; expected labels of shape ({batch},)")
+    flat = y if y.dim() == 1 else y.reshape(-1)
+    if flat.dtype == torch.int64:
+        return flat
+    if flat.dtype == torch.bool or flat.is_complex():
+        check_class_labels(flat, classes, "fused head")  # raises: not class indices
+    labels = flat.long()
+    if flat.is_floating_point() and bool((labels != flat).any()):  # NaN and +-inf included
+        check_class_labels(flat, classes, "fused head")  # raises with the torch path's message
+        raise ValueError(f"fused head: labels must be integer-valued class indices in [0, {classes}), "
+                         f"got dtype {flat.dtype}")  # if the above did not
+    return labels
+
+
 def loss_and_gradients(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w_var: Tensor, b_var: Tensor,
                        y: Tensor, n_draws: int, delta: float, gscale: float, k0: int, k1: int, want_grad: bool
                        ) -> tuple[float, tuple[Tensor, ...] | None]:
     """The kernel on contiguous, detached float32 tensors (no checks, no autograd; ``sd`` = the standard
     deviations): ``(sum of the per-row losses, unscaled; gradients or None)``, the gradients
     ``(d/dmu, d/dvar, d/dw_mean, d/db_mean, d/dw_var, d/db_var)`` of ``gscale`` times that sum.  The labels
-    ``y`` are int64.  :class:`_CategoricalHead` and :mod:`common.explicit_step` both run it."""
+    ``y`` are int64.  :class:`_CategoricalHead` and :mod:`common.explicit_step` both run it.  The one check:
+    ``delta`` must be 0 or a normal float32 number (:func:`_check_delta`; the torch path's ``ValueError``)."""
+    _check_delta(delta)
     lib = _NATIVE.get()
     assert lib is not None
     rows, width = mu.shape
@@ -464,8 +510,9 @@ def expected_loss(mu: Tensor, var: Tensor, w_mean: Tensor, b_mean: Tensor, w_var
                   generator: torch.Generator | None = None) -> Tensor:
     """``sum over the n_draws R rows of w L(z, y) / n_samples`` (see the module docstring) as a scalar tensor,
     differentiable w.r.t. ``mu, var`` (``(R, H)``) and the output layer's ``w_mean, b_mean, w_var, b_var``.
-    ``y``: the ``B`` integer labels, ``R n_draws`` a multiple of ``B``.  Call only where :func:`applies_to`
-    holds and :func:`loss_spec` is not ``None``."""
+    ``y``: the ``B = R n_draws / n_samples`` labels of the batch (the torch path's count: one per point), of any
+    shape with ``B`` elements (e.g. ``(B, 1)``), integer or integer-valued floating (:func:`_kernel_labels`).
+    Call only where :func:`applies_to` holds and :func:`loss_spec` is not ``None``."""
     spec = loss_spec(loss)
     if spec is None:
         raise ValueError(f"fused head: loss {loss!r} is not one the kernel computes (see loss_spec)")
@@ -484,12 +531,12 @@ def expected_loss(mu: Tensor, var: Tensor, w_mean: Tensor, b_mean: Tensor, w_var
         raise ValueError(f"fused head: 1 to {MAX_CLASSES} classes, got {classes}")
     if not all(applies_to(t) for t in (mu, var, w_mean, b_mean, w_var, b_var)):
         raise RuntimeError("fused head: needs float32 CPU tensors and the compiled kernels (see applies_to)")
-    labels = y.long() if y.dtype != torch.int64 else y
-    if labels.dim() != 1 or labels.shape[0] == 0 or (rows * n_draws) % labels.shape[0]:
-        raise ValueError(f"fused head: y must hold B labels with B dividing {rows} x {n_draws} rows, got shape "
-                         f"{tuple(y.shape)}")
     if not 1 <= n_draws < OUTPUT_STREAM or n_samples < 1:
         raise ValueError(f"fused head: n_draws must be in [1, 2^31) and n_samples >= 1, got {n_draws}, {n_samples}")
+    if (rows * n_draws) % n_samples:
+        raise ValueError(f"fused head: {rows} x {n_draws} rows are not n_samples = {n_samples} draws of a batch "
+                         f"(labels of shape {tuple(y.shape)})")
+    labels = _kernel_labels(y, classes, rows * n_draws // n_samples)
     if mu.numel() >= 2**34:
         raise ValueError("fused head: more than 2^34 elements per draw")
     k0, k1 = fused_sampling.draw_key(generator)  # one key per call, as the sampler draws it

@@ -138,6 +138,16 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
     return nbad;
 }
 
+/* The backward's Alpha-Renyi constants c1 = 1 - alpha and 1 / alpha, formed in double and rounded once to float,
+   as pgvi_mf_forward forms its c1: near alpha = 1, 1.0f - (float)alpha is 1 - alpha to only 6e-8 absolute
+   (float32's spacing at 1), a relative error of 6e-8 / |1 - alpha| (5 % at alpha = 1 + 1e-6) in the gradient
+   of the value the forward returned.  For an alpha that is a float32 number both forms give the same bits
+   (one operation on floats, evaluated in double and rounded once, is correctly rounded). */
+static inline void alpha_constants(int kind, double alpha, float *c1, float *inv_alpha) {
+    *c1 = (float)(1.0 - alpha);
+    *inv_alpha = kind == 2 ? (float)(1.0 / alpha) : 0.0f;
+}
+
 /* g_div dD/dm and (gvar + g_div dD/dv) chain at one coordinate (gvar: the loss's gradient w.r.t. v, 0 if none) */
 static inline void mf_grads(float m, float v, float c, float mp, float l, float gvar, float g_div, int kind,
                             float c1, float inv_alpha, float *g_m, float *g_r) {
@@ -162,8 +172,9 @@ static inline void mf_grads(float m, float v, float c, float mp, float l, float 
    pgvi_mf_forward; gvar may be NULL (no loss gradient w.r.t. v) */
 void pgvi_mf_backward(const float *restrict loc, const float *restrict var, const float *restrict chain,
                       const float *restrict mp, const float *restrict lp, const float *restrict gvar, float g_div,
-                      int64_t lo, int64_t hi, int kind, float alpha, float *restrict gloc, float *restrict graw) {
-    float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
+                      int64_t lo, int64_t hi, int kind, double alpha, float *restrict gloc, float *restrict graw) {
+    float c1, inv_alpha;
+    alpha_constants(kind, alpha, &c1, &inv_alpha);
     #pragma omp simd
     for (int64_t i = lo; i < hi; i++)
         mf_grads(loc[i], var[i], chain[i], mp[i], lp[i], gvar ? gvar[i] : 0.0f, g_div, kind, c1, inv_alpha, gloc + i,
@@ -211,11 +222,12 @@ static inline void mf_adam_range(int64_t lo, int64_t hi, int tail, const float *
    vector width of torch's Adam loop (the last n % vw elements of the tensor take its scalar tail's arithmetic) */
 void pgvi_mf_backward_adam(const float *restrict var, const float *restrict chain, const float *restrict mp,
                            const float *restrict lp, const float *restrict gvar, const float *restrict gloss,
-                           float g_div, int64_t lo, int64_t hi, int64_t n, int64_t vw, int kind, float alpha,
+                           float g_div, int64_t lo, int64_t hi, int64_t n, int64_t vw, int kind, double alpha,
                            float *restrict loc, float *restrict raw, float *restrict ml, float *restrict vl,
                            float *restrict mr, float *restrict vr, const float *restrict h,
                            const float *restrict a) {
-    float c1 = 1.0f - alpha, inv_alpha = kind == 2 ? 1.0f / alpha : 0.0f;
+    float c1, inv_alpha;
+    alpha_constants(kind, alpha, &c1, &inv_alpha);
     int64_t nv = n - n % vw;
     mf_adam_range(lo, hi < nv ? hi : nv, 0, var, chain, mp, lp, gvar, gloss, g_div, kind, c1, inv_alpha, loc, raw,
                   ml, vl, mr, vr, h, a);
@@ -254,8 +266,10 @@ int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *re
                          const int64_t *restrict off, int64_t g0, int64_t g1, int nt, int kind, double alpha,
                          float min_scale, double *restrict partial, int64_t *restrict bad) {
     int oom = 0;
+    const uint32_t fpm = pgvi_fp_mode(); /* every part in the caller's floating-point mode (PRELUDE) */
     #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
     for (int t = 0; t < nt; t++) {
+        uint32_t fps = pgvi_fp_enter(fpm);
         int64_t a = pgvi_split(g0, g1, 1, t, nt), b = pgvi_split(g0, g1, 1, t + 1, nt);
         int64_t e0, e1;
         for (int64_t i = 0; i < T; i++) {
@@ -265,24 +279,29 @@ int pgvi_mf_forward_many(int64_t T, const int64_t *restrict p, const int64_t *re
                                         wp(q[4]), wp(q[5]), partial + off[i]);
             if (r < 0) oom = 1; else bad[t * T + i] += r;
         }
+        pgvi_fp_enter(fps);
     }
     return oom;
 }
 
 /* The drivers' loop: thread t of nt takes the global blocks pgvi_split gives it, and BODY runs for each tensor i
-   with a part [e0, e1) in them (T, n, off, g0, g1, nt from the enclosing function). */
+   with a part [e0, e1) in them (T, n, off, g0, g1, nt from the enclosing function), in the calling thread's
+   floating-point mode (PRELUDE). */
 #define PGVI_EACH_TENSOR_PART(BODY) \
+    const uint32_t fpm_ = pgvi_fp_mode(); \
     _Pragma("omp parallel for num_threads(nt) schedule(static)") \
     for (int t = 0; t < nt; t++) { \
+        uint32_t fps_ = pgvi_fp_enter(fpm_); \
         int64_t b0_ = pgvi_split(g0, g1, 1, t, nt), b1_ = pgvi_split(g0, g1, 1, t + 1, nt), e0, e1; \
         for (int64_t i = 0; i < T; i++) \
             if (tensor_part(n, off, i, b0_, b1_, &e0, &e1)) { BODY } \
+        pgvi_fp_enter(fps_); \
     }
 
 /* p: loc, var, chain, mp, lp, gvar (0: no loss gradient), gloc, graw (K = 8) */
 void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                            const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
-                           float alpha) {
+                           double alpha) {
     PGVI_EACH_TENSOR_PART(
         const int64_t *q = p + 8 * i;
         pgvi_mf_backward(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), fp(q[4]), q[5] ? fp(q[5]) : NULL, g_div, e0, e1,
@@ -294,7 +313,7 @@ void pgvi_mf_backward_many(int64_t T, const int64_t *restrict p, const int64_t *
    a[4 i .. 4 i + 3]: tensor i's Adam step terms (see pgvi_mf_backward_adam); h: the shared Adam constants */
 void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                                 const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
-                                float alpha, int64_t vw, const float *restrict h, const float *restrict a) {
+                                double alpha, int64_t vw, const float *restrict h, const float *restrict a) {
     PGVI_EACH_TENSOR_PART(
         const int64_t *q = p + 12 * i;
         pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL, q[5] ? fp(q[5]) : NULL,
@@ -307,14 +326,16 @@ void pgvi_mf_backward_adam_many(int64_t T, const int64_t *restrict p, const int6
    block's loc and raw are still in cache when the next step's variances, chains and divergence terms are formed
    from them.  The same arithmetic as the two calls one after the other (the forward of a block reads only that
    block), so the same bits.  p: as pgvi_mf_backward_adam_many's (K = 12; var and chain are read, then
-   overwritten); partial, bad, min_scale, alpha_d: as pgvi_mf_forward_many's.  Returns 1 if out of memory. */
+   overwritten); partial, bad, min_scale: as pgvi_mf_forward_many's.  Returns 1 if out of memory. */
 int pgvi_mf_adam_forward_many(int64_t T, const int64_t *restrict p, const int64_t *restrict n,
                               const int64_t *restrict off, float g_div, int64_t g0, int64_t g1, int nt, int kind,
-                              float alpha, int64_t vw, const float *restrict h, const float *restrict a,
-                              double alpha_d, float min_scale, double *restrict partial, int64_t *restrict bad) {
+                              double alpha, int64_t vw, const float *restrict h, const float *restrict a,
+                              float min_scale, double *restrict partial, int64_t *restrict bad) {
     int oom = 0;
+    const uint32_t fpm = pgvi_fp_mode(); /* every part in the caller's floating-point mode (PRELUDE) */
     #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
     for (int t = 0; t < nt; t++) {
+        uint32_t fps = pgvi_fp_enter(fpm);
         int64_t b0_ = pgvi_split(g0, g1, 1, t, nt), b1_ = pgvi_split(g0, g1, 1, t + 1, nt), e0, e1;
         for (int64_t i = 0; i < T; i++) {
             if (!tensor_part(n, off, i, b0_, b1_, &e0, &e1)) continue;
@@ -324,11 +345,12 @@ int pgvi_mf_adam_forward_many(int64_t T, const int64_t *restrict p, const int64_
                 pgvi_mf_backward_adam(fp(q[0]), fp(q[1]), fp(q[2]), fp(q[3]), q[4] ? fp(q[4]) : NULL,
                                       q[5] ? fp(q[5]) : NULL, g_div, lo, hi, n[i], vw, kind, alpha, wp(q[6]), wp(q[7]),
                                       wp(q[8]), wp(q[9]), wp(q[10]), wp(q[11]), h, a + 4 * i);
-                int64_t r = pgvi_mf_forward(fp(q[6]), fp(q[7]), fp(q[2]), fp(q[3]), lo, hi, kind, alpha_d, min_scale,
+                int64_t r = pgvi_mf_forward(fp(q[6]), fp(q[7]), fp(q[2]), fp(q[3]), lo, hi, kind, alpha, min_scale,
                                             wp(q[0]), wp(q[1]), partial + off[i]);
                 if (r < 0) oom = 1; else bad[t * T + i] += r;
             }
         }
+        pgvi_fp_enter(fps);
     }
     return oom;
 }
@@ -359,10 +381,10 @@ _NATIVE = NativeLibrary(
     {
         "pgvi_mf_forward": ([_VP, _VP, _VP, _VP, _I64, _I64, _INT, _F64, _F32, _VP, _VP, _VP], _I64),
         "pgvi_mf_forward_many": ([_I64, _VP, _VP, _VP, _I64, _I64, _INT, _INT, _F64, _F32, _VP, _VP], _INT),
-        "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32], None),
-        "pgvi_mf_backward_adam_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _I64, _VP, _VP],
+        "pgvi_mf_backward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F64], None),
+        "pgvi_mf_backward_adam_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F64, _I64, _VP, _VP],
                                        None),
-        "pgvi_mf_adam_forward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F32, _I64, _VP, _VP, _F64,
+        "pgvi_mf_adam_forward_many": ([_I64, _VP, _VP, _VP, _F32, _I64, _I64, _INT, _INT, _F64, _I64, _VP, _VP,
                                        _F32, _VP, _VP], _INT),
         "pgvi_adam_only": ([_VP, _I64, _I64, _VP, _VP, _VP, _VP, _F32, _F32], None),
     },
@@ -580,7 +602,7 @@ def backward_adam(state: MomentPass, raws: list[Tensor], g_vars: list[Tensor | N
         t_count, int(state.off[-1]),
         lambda g0, g1, nt, partial, counts: lib.pgvi_mf_adam_forward_many(
             t_count, ptrs.ctypes.data, state.n.ctypes.data, state.off.ctypes.data, g_div, g0, g1, nt, kind, alpha,
-            vector_width, consts.ctypes.data, terms.ctypes.data, alpha, forward_min_scale, partial, counts))
+            vector_width, consts.ctypes.data, terms.ctypes.data, forward_min_scale, partial, counts))
 
 
 class _VariancesAndDivergence(torch.autograd.Function):

@@ -242,32 +242,45 @@ int pgvi_relu_sample_bwd_linear(const float *restrict gm, const float *restrict 
     return 0;
 }
 
-/* The parallel drivers, over nt OpenMP threads: samples [s0, s1), rows [r0, r1) (pgvi_split) */
+/* The parallel drivers, over nt OpenMP threads: samples [s0, s1), rows [r0, r1) (pgvi_split); every part in the
+   calling thread's floating-point mode (PRELUDE) */
 void pgvi_relu_sample_fwd_run(const float *restrict mu, const float *restrict sd, int64_t n, int64_t s0, int64_t s1,
                               int nt, uint32_t k0, uint32_t k1, float *restrict eps, float *restrict h,
                               float *restrict h2) {
+    const uint32_t fpm = pgvi_fp_mode();
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int t = 0; t < nt; t++)
+    for (int t = 0; t < nt; t++) {
+        uint32_t fps = pgvi_fp_enter(fpm);
         pgvi_relu_sample_fwd(mu, sd, n, pgvi_split(s0, s1, 1, t, nt), pgvi_split(s0, s1, 1, t + 1, nt), k0, k1, eps, h,
                              h2);
+        pgvi_fp_enter(fps);
+    }
 }
 void pgvi_relu_sample_bwd_run(const float *restrict gh, const float *restrict gh2, const float *restrict h,
                               const float *restrict eps, int64_t S, int64_t n_rows, int64_t H, int64_t r0, int64_t r1,
                               int nt, float *restrict dmu, float *restrict dsd) {
+    const uint32_t fpm = pgvi_fp_mode();
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int t = 0; t < nt; t++)
+    for (int t = 0; t < nt; t++) {
+        uint32_t fps = pgvi_fp_enter(fpm);
         pgvi_relu_sample_bwd(gh, gh2, h, eps, S, n_rows, H, pgvi_split(r0, r1, 1, t, nt), pgvi_split(r0, r1, 1, t + 1, nt),
                              dmu, dsd);
+        pgvi_fp_enter(fps);
+    }
 }
 int pgvi_relu_sample_bwd_linear_run(const float *restrict gm, const float *restrict gv, const float *restrict wm,
                                     const float *restrict wv, int64_t C, const float *restrict h,
                                     const float *restrict eps, int64_t S, int64_t n_rows, int64_t H, int64_t r0,
                                     int64_t r1, int nt, float *restrict dmu, float *restrict dsd) {
     int oom = 0;
+    const uint32_t fpm = pgvi_fp_mode();
     #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:oom)
-    for (int t = 0; t < nt; t++)
+    for (int t = 0; t < nt; t++) {
+        uint32_t fps = pgvi_fp_enter(fpm);
         oom |= pgvi_relu_sample_bwd_linear(gm, gv, wm, wv, C, h, eps, S, n_rows, H, pgvi_split(r0, r1, 1, t, nt),
                                            pgvi_split(r0, r1, 1, t + 1, nt), dmu, dsd);
+        pgvi_fp_enter(fps);
+    }
     return oom;
 }
 """

@@ -21,6 +21,14 @@ earlier Python thread pool (:func:`run_chunks`, still the fallback: another runt
 ``PGVI_KERNEL_OPENMP=0``) those spinning workers and the pool's threads competed for the cores: on 2 cores a local
 epoch of the 784-200-10 BNN took 0.58-0.65 s instead of 0.44-0.45 s (docs/bench_core.md).  :func:`run_parallel`
 picks the route; a kernel's result never depends on it (fixed blocks, fixed summation order).
+
+Floating-point mode.  Flush-to-zero (:mod:`common.runtime`) is a property of each thread, and a pool thread has the
+mode of the thread that created it: a kernel part run on a pool thread started before the caller switched the
+mode (or inside a block that switched it) rounded subnormal numbers differently from the caller's part, so the
+result depended on the thread count.  Every parallel driver therefore runs each of its parts in the calling
+thread's mode (:data:`PRELUDE`'s ``pgvi_fp_mode``, ``pgvi_fp_enter``), and :func:`run_parallel` gives each Python
+thread the caller's mode for its chunk.  :func:`sync_pool_fp_mode` sets the mode of torch's own pool the same
+way (:func:`common.runtime.subnormals_flushed`).
 """
 
 from __future__ import annotations
@@ -80,6 +88,68 @@ double log(double) __attribute__((simd("notinbranch")));
 static inline int64_t pgvi_split(int64_t lo, int64_t hi, int64_t align, int64_t t, int64_t k) {
     int64_t units = (hi - lo + align - 1) / align, b = lo + (units * t / k) * align;
     return b < hi ? b : hi;
+}
+/* The floating-point mode of common/runtime.py (flush-to-zero and denormals-are-zero: x86 MXCSR bits 15 and 6,
+   arm64 FPCR.FZ) is a property of each thread, and a pool thread has the mode of the thread that created it, not
+   the caller's.  A parallel driver therefore reads the calling thread's mode before its region
+   (pgvi_fp_mode) and each part runs in it (pgvi_fp_enter, then pgvi_fp_enter(previous)): a kernel's result does
+   not depend on how many threads ran it, nor on the mode the pool's threads happen to have.  The asm statements
+   clobber memory, so no load of the kernel's data moves across a mode switch. */
+#if defined(__x86_64__) || defined(__i386__)
+#define PGVI_FP_BITS 0x8040u
+typedef uint32_t pgvi_fpreg;
+static inline pgvi_fpreg pgvi_fp_read(void) {
+    uint32_t c;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(c) : : "memory");
+    return c;
+}
+static inline void pgvi_fp_write(pgvi_fpreg c) { __asm__ __volatile__("ldmxcsr %0" : : "m"(c) : "memory"); }
+#elif defined(__aarch64__)
+#define PGVI_FP_BITS (1u << 24)
+typedef uint64_t pgvi_fpreg;
+static inline pgvi_fpreg pgvi_fp_read(void) {
+    uint64_t c;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(c) : : "memory");
+    return c;
+}
+static inline void pgvi_fp_write(pgvi_fpreg c) { __asm__ __volatile__("msr fpcr, %0" : : "r"(c) : "memory"); }
+#else
+#define PGVI_FP_BITS 0u
+typedef uint32_t pgvi_fpreg;
+static inline pgvi_fpreg pgvi_fp_read(void) { return 0; }
+static inline void pgvi_fp_write(pgvi_fpreg c) { (void)c; }
+#endif
+/* this thread's mode bits */
+static inline uint32_t pgvi_fp_mode(void) { return (uint32_t)(pgvi_fp_read() & PGVI_FP_BITS); }
+/* set this thread's mode bits to m (bits of another thread of this process: never one the CPU lacks); returns
+   the previous ones */
+static inline uint32_t pgvi_fp_enter(uint32_t m) {
+    pgvi_fpreg c = pgvi_fp_read();
+    uint32_t was = (uint32_t)(c & PGVI_FP_BITS);
+    if (was != m) pgvi_fp_write((c & ~(pgvi_fpreg)PGVI_FP_BITS) | m);
+    return was;
+}
+/* for Python (every library has them, PRELUDE_SIGNATURES): the calling thread's mode bits; set them to m and
+   return the previous ones */
+uint32_t pgvi_fp_get(void) { return pgvi_fp_mode(); }
+uint32_t pgvi_fp_swap(uint32_t m) { return pgvi_fp_enter(m & PGVI_FP_BITS); }
+"""
+
+#: The signatures of :data:`PRELUDE`'s functions for Python, set on every library's handle.
+PRELUDE_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "pgvi_fp_get": ([], ctypes.c_uint32),
+    "pgvi_fp_swap": ([ctypes.c_uint32], ctypes.c_uint32),
+}
+
+#: ``pgvi_fp_sync_team(nt)``: every thread of the calling thread's OpenMP team of ``nt`` takes the calling thread's
+#: mode; returns how many had another one (:func:`sync_pool_fp_mode`).
+_FP_SOURCE = r"""
+int pgvi_fp_sync_team(int nt) {
+    uint32_t m = pgvi_fp_mode();
+    int changed = 0;
+    #pragma omp parallel num_threads(nt) reduction(+:changed)
+    changed += pgvi_fp_enter(m) != m;
+    return changed;
 }
 """
 
@@ -220,8 +290,10 @@ class NativeLibrary:
     ``(argtypes, restype)``; ``self_check(lib)`` raises ``RuntimeError`` if the built code misbehaves."""
 
     def __init__(self, name: str, source: str, signatures: dict[str, tuple[list[type], type | None]],
-                 self_check: Callable[[ctypes.CDLL], None] | None = None) -> None:
+                 self_check: Callable[[ctypes.CDLL], None] | None = None, *,
+                 fallback: str = "using the torch path") -> None:
         self.name, self.source, self.signatures, self.self_check = name, source, signatures, self_check
+        self.fallback = fallback  # what callers do without the library, for the warning
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
@@ -230,7 +302,7 @@ class NativeLibrary:
 
     def _load_build(self, extra_flags: list[str], link_inputs: list[str]) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(compile_library(self.name, self.source, extra_flags, link_inputs)))
-        for fn, (argtypes, restype) in self.signatures.items():
+        for fn, (argtypes, restype) in {**PRELUDE_SIGNATURES, **self.signatures}.items():
             f = getattr(lib, fn)
             f.argtypes, f.restype = argtypes, restype
         if self.self_check is not None:
@@ -259,7 +331,7 @@ class NativeLibrary:
                     try:
                         self._lib = self._load()
                     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
-                        _LOG.warning("%s kernels unavailable, using the torch path: %s", self.name, err)
+                        _LOG.warning("%s kernels unavailable, %s: %s", self.name, self.fallback, err)
             return self._lib
 
     def parallel_in_openmp(self) -> bool:
@@ -301,18 +373,60 @@ def run_chunks(fn: Callable[[int, int], None], total: int, align: int = 1) -> No
         f.result()
 
 
+_FP_MODE = NativeLibrary("fpmode", _FP_SOURCE, {"pgvi_fp_sync_team": ([ctypes.c_int], ctypes.c_int)},
+                         fallback="the floating-point mode of torch's intra-op threads is not set")
+
+
+def sync_pool_fp_mode(threads: int) -> bool:
+    """Give every thread of the calling thread's OpenMP pool (torch's intra-op threads, where they are GNU OpenMP:
+    see the module docstring) the calling thread's flush-to-zero mode, by one parallel region of ``threads``
+    threads on that pool.  ``True`` if done; ``False`` where it cannot be: fewer than two threads, no OpenMP
+    build, or a forked child (whose first region on the parent's pool would hang: see
+    :meth:`NativeLibrary.parallel_in_openmp`).
+
+    The region's team is the calling thread and ``threads - 1`` pool threads: libgomp reuses the pool's threads
+    for it, creates missing ones (which inherit the caller's mode) and ends those beyond the team, so afterwards
+    every pool thread of this caller is in its mode (checked in tests/test_fused_review.py)."""
+    if threads < 2:
+        return False
+    lib = _FP_MODE.get()
+    if lib is None or not _FP_MODE.parallel_in_openmp():
+        return False
+    lib.pgvi_fp_sync_team(threads)
+    return True
+
+
 def run_parallel(library: NativeLibrary, call: Callable[[int, int, int], None], total: int, align: int = 1) -> None:
     """Run a kernel's parallel driver ``call(lo, hi, threads)`` over ``[0, total)``: the driver splits its range
     into ``threads`` parts with :c:func:`pgvi_split` (inner bounds multiples of ``align``) under an
     ``omp parallel for``.  An OpenMP build gets one call with ``torch.get_num_threads()``; any other build gets
-    :func:`run_chunks`' Python threads, each calling the driver on its chunk with one thread."""
+    :func:`run_chunks`' Python threads, each calling the driver on its chunk with one thread.
+
+    Either way every part runs in the calling thread's floating-point mode (flush-to-zero or not): the OpenMP
+    drivers set it in each of their threads (:data:`PRELUDE`); here each Python thread takes it for its chunk
+    and gets its own back after (a pool thread keeps the mode of the thread that created it, which need not be
+    this caller's)."""
     threads = torch.get_num_threads()
     if library.parallel_in_openmp():
         call(0, total, max(1, min(threads, -(-total // align))))
-    else:
+        return
+    # one chunk runs on the caller: no switch (and a stand-in for a library, in tests, has no helpers)
+    fp = library.get() if threads > 1 and total > align and isinstance(library, NativeLibrary) else None
+    if fp is None:
         run_chunks(lambda lo, hi: call(lo, hi, 1), total, align)
+        return
+    mode = fp.pgvi_fp_get()
+
+    def part(lo: int, hi: int) -> None:
+        previous = fp.pgvi_fp_swap(mode)
+        try:
+            call(lo, hi, 1)
+        finally:
+            fp.pgvi_fp_swap(previous)
+
+    run_chunks(part, total, align)
 
 
-__all__ = ["FLAGS", "PRELUDE", "NativeLibrary", "cache_dir", "compile_flags", "compile_library",
-           "disabled_by_environment", "openmp_disabled_by_environment", "openmp_flags", "openmp_runtime",
-           "run_chunks", "run_parallel"]
+__all__ = ["FLAGS", "PRELUDE", "PRELUDE_SIGNATURES", "NativeLibrary", "cache_dir", "compile_flags",
+           "compile_library", "disabled_by_environment", "openmp_disabled_by_environment", "openmp_flags",
+           "openmp_runtime", "run_chunks", "run_parallel", "sync_pool_fp_mode"]

@@ -27,16 +27,17 @@ such an input counts as 0.  The core computes log-probabilities in log space (``
 ``logsumexp``), so no loss, divergence or metric turns into ``-inf`` because a probability underflowed.
 
 The mode is a property of each CPU thread (x86 ``MXCSR``; on arm64 torch sets the FPCR's flush-to-zero bit,
-which has the same effect, though the x86 slowdown above need not apply there).  A thread inherits it from the
-thread that creates it.  torch's intra-op threads are started at the first parallel operation (and more when the
-thread count grows), not by ``torch.set_num_threads``, so :func:`configure_compute` sets the mode first; where
-the pool was started earlier, its threads keep their old mode: :func:`configure_compute` checks them once per
-thread count (with more than one thread) and logs one warning.  So do Python threads started earlier (the
-kernels' fallback thread pool, ``common/native.py``).
+which has the same effect, though the x86 slowdown above need not apply there).  ``torch.set_flush_denormal``
+sets it for the calling thread only, and a thread inherits it from the thread that creates it.  torch's intra-op
+threads are started at the first parallel operation (and more when the thread count grows), not by
+``torch.set_num_threads``, so :func:`configure_compute` sets the mode first; where the pool was started earlier,
+its threads keep their old mode: :func:`configure_compute` checks them once per thread count (with more than one
+thread) and logs one warning.  The compiled kernels (``common/native.py``) do not depend on the pool's mode: each
+of their threads, OpenMP or Python, runs in the calling thread's.
 :func:`configure_compute` is for processes that are ours (a warm worker, a benchmark, a script's ``main``).  A client
 update can also run in someone else's process (an in-process Grid, a test, a library user's program): there
-:func:`configure_threads` sets the threads and :func:`subnormals_flushed` turns the mode on for the update only
-and gives the calling thread its own mode back.
+:func:`configure_threads` sets the threads and :func:`subnormals_flushed` turns the mode on for the update only,
+in the calling thread and in torch's intra-op threads, and gives them the caller's mode back after.
 
 The settings are idempotent and cheap; the allocator change is made once per process and is a no-op where
 ``mallopt`` is missing (macOS, Windows) or ignored (musl).
@@ -166,18 +167,48 @@ def configure_compute(threads: int, *, flush_denormals: bool | None = None) -> N
 
 @contextmanager
 def subnormals_flushed(flush_denormals: bool | None = None) -> Iterator[bool]:
-    """The mode of :func:`configure_compute` on this thread for the ``with`` block only, then the caller's mode
-    again: for a client update that runs inside a process it does not own (an in-process Grid, a simulation
-    actor, a library user's program).  Yields whether subnormals are flushed inside the block."""
+    """The mode of :func:`configure_compute` on this thread and its intra-op threads for the ``with`` block only,
+    then the caller's mode again: for a client update that runs inside a process it does not own (an in-process
+    Grid, a simulation actor, a library user's program).  Yields whether subnormals are flushed inside the block
+    (in the calling thread).
+
+    The mode is per thread and torch's intra-op threads keep the one they were created with (module docstring):
+    a pool started before the block would compute its share of a parallel operation unflushed inside it, and one
+    started inside the block would keep flushing after it, in the caller's later work.  So on the way in, with
+    more than one intra-op thread, every pool thread takes the block's mode, and on the way out, where the block
+    switched the mode, every one takes the caller's again (:func:`common.native.sync_pool_fp_mode`, one parallel
+    region of ``max(threads on entry, threads on exit)``; libgomp then ends any pool thread beyond those).  What
+    remains: a thread count raised and set back to 1 inside the block (no region is run with one thread, so a
+    pool thread made inside may keep the block's mode), a forked child (see
+    :meth:`common.native.NativeLibrary.parallel_in_openmp`), and builds without the compiled helper
+    (``PGVI_FUSED_KERNELS=0``, no C compiler, torch not on GNU OpenMP), where pool threads keep their own mode.
+    The compiled kernels do not depend on any of this: each of their threads runs in the caller's mode
+    (:data:`common.native.PRELUDE`)."""
     flush = _flush_setting(flush_denormals)
     before = flush_denormals_active()
+    threads_in = torch.get_num_threads()
     if before != flush:
         set_flush_denormals(flush)
+    inside = flush_denormals_active()
+    if threads_in > 1:
+        _sync_pool(threads_in)
     try:
-        yield flush_denormals_active()
+        yield inside
     finally:
-        if flush_denormals_active() != before:
+        now = flush_denormals_active()
+        if now != before:
             set_flush_denormals(before)
+        if inside != before or now != before:  # the pool may hold threads in another mode than the caller's now
+            _sync_pool(max(threads_in, torch.get_num_threads()))
+
+
+def _sync_pool(threads: int) -> bool:
+    """:func:`common.native.sync_pool_fp_mode` with more than one thread (its helper is built on first use)."""
+    if threads < 2:
+        return False
+    from common import native
+
+    return native.sync_pool_fp_mode(threads)
 
 
 def _flush_setting(flush_denormals: bool | None) -> bool:
