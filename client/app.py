@@ -9,9 +9,10 @@ computation runs either here (``client.pgvi_client`` is imported on the first tr
 when the node config names one, in the node's warm compute worker (``client/warm_worker.py``), which keeps
 torch, the data shard and the problem loaded across messages.
 
-Node config keys: ``partition-id`` (int), ``client-id`` (stable id, default ``site-<partition-id>``),
+Node config keys: ``partition-id`` (a whole number in ``[0, num-clients)``), ``num-partitions`` (if given, equal
+to the run's ``num-clients``), ``client-id`` (stable id, default ``site-<partition-id>``),
 ``state-dir`` (durable client state; default: kept in the SuperNode's memory for the run),
-``torch-threads`` (default 1), ``batch-size`` (overrides the run config's, for small devices),
+``torch-threads`` (a positive whole number, default 1), ``batch-size`` (overrides the run config's, for small devices),
 ``compute-worker`` (path of the node's warm worker socket; default: compute in the ClientApp process),
 ``compute-worker-timeout-s`` (how long to wait for the worker's result, default 3600; a positive number of
 seconds, at most 30 days: more is surely a typo, and past ~24.8 days one ``poll`` of the socket overflows).
@@ -22,6 +23,10 @@ Fault injection, for tests only (node config ``fault``, default off): ``scale:<x
 client: Delta times x or -1), ``nan``, ``wrong-shape``, ``improper``, ``huge`` (invalid replies the server must
 reject), ``lose-reply`` (the client stages its update, then its reply is lost) and ``crash-before-reply`` (the
 client dies after computing, before staging).  A mode may be limited to some rounds: ``lose-reply@2``.
+
+The identity query (``query``) checks every node-config value a train or evaluate message would refuse (and an
+unknown ``fault`` mode), so a bad node config fails before round 1 with an error naming the key, instead of every
+train message failing while the run goes on without the node.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from client import warm_worker
-from client.node_request import InjectedFault, Request, Result, node_run_config
+from client.node_request import InjectedFault, Request, Result, node_client_id, node_run_config
 from common import protocol as P
 from common.client_state import ClientState
 from strategies.codec import arrays_to_record, decode_arrays, encode_arrays, layout_key
@@ -42,6 +47,8 @@ from strategies.codec import arrays_to_record, decode_arrays, encode_arrays, lay
 app = ClientApp()
 
 WORKER_TIMEOUT_KEY = "compute-worker-timeout-s"
+#: The fault modes (node config ``fault``, tests only) besides ``scale:<x>``; ``client.pgvi_client`` runs them.
+FAULT_MODES = ("flip", "nan", "wrong-shape", "improper", "huge", "lose-reply", "crash-before-reply")
 
 
 def __getattr__(name: str):  # ``client.app.PGVIClient`` without importing torch at module import
@@ -54,7 +61,7 @@ def __getattr__(name: str):  # ``client.app.PGVIClient`` without importing torch
 
 def _ids(context: Context) -> tuple[str, str | None]:
     nc = context.node_config
-    client_id = str(nc.get("client-id", f"site-{int(nc.get('partition-id', 0))}"))
+    client_id = node_client_id(nc)  # the id node_run_config checks, in the query before round 1
     state_dir = str(nc["state-dir"]) if nc.get("state-dir") else None
     return client_id, state_dir
 
@@ -77,12 +84,43 @@ def _save_state(context: Context, state: ClientState, client_id: str, state_dir:
     context.state["pgvi-meta"] = ConfigRecord(meta)
 
 
+def _fault_spec(node_config: Mapping) -> tuple[str, frozenset[int] | None]:
+    """Node config ``fault`` as (mode, the rounds it is limited to or None = every round); ('', None) = none.
+
+    ``ValueError`` naming the key unless the mode is one of :data:`FAULT_MODES` or ``scale:<number>`` and the
+    rounds after ``@`` are whole numbers >= 1, comma-separated: checked by the query before round 1.  A bad
+    round list used to fail every train message, and an unknown mode (``fllip``) or a ``scale:`` without a
+    number ran an honest client under the fault's name."""
+    spec = str(node_config.get("fault", ""))
+    if not spec:
+        return "", None
+    mode, at, rounds_text = spec.partition("@")
+    rounds: frozenset[int] | None = None
+    problem = ""
+    if at:  # read as the train path always read them: int() of each non-empty comma-separated part
+        try:
+            rounds = frozenset(int(r) for r in rounds_text.split(",") if r)
+        except ValueError:
+            rounds = frozenset()
+        if not rounds or min(rounds) < 1:  # an empty list or round 0 never fires: an honest client, unnoticed
+            problem = "the rounds after '@' must be whole numbers >= 1, comma-separated"
+    if mode.startswith("scale:"):
+        try:
+            float(mode.split(":", 1)[1])
+        except ValueError:
+            problem = problem or "scale:<x> takes a number x"
+    elif mode not in FAULT_MODES:
+        problem = problem or f"unknown mode {mode!r}; known: {', '.join(FAULT_MODES)}, scale:<x>"
+    if problem:
+        raise ValueError(f"node config fault {spec!r}: {problem} (e.g. 'lose-reply@2' or 'scale:10@1,3')")
+    return mode, rounds
+
+
 def _fault_mode(context: Context, server_round: int) -> str:
-    mode = str(context.node_config.get("fault", ""))
-    if "@" in mode:
-        mode, rounds = mode.split("@", 1)
-        if server_round not in {int(r) for r in rounds.split(",") if r}:
-            return ""
+    """The fault to inject in ``server_round`` ('' = none)."""
+    mode, rounds = _fault_spec(context.node_config)
+    if rounds is not None and server_round not in rounds:
+        return ""
     return mode
 
 
@@ -139,6 +177,7 @@ def query(msg: Message, context: Context) -> Message:
     """Identify: the stable client id and the version of the site this client holds."""
     node_run_config(dict(context.run_config), dict(context.node_config))  # a bad config fails before round 1
     _worker_timeout(context.node_config)
+    _fault_spec(context.node_config)
     client_id, state_dir = _ids(context)
     state = _load_state(context, client_id, state_dir)
     cfg = ConfigRecord({"client-id": client_id, "site-version": state.version,

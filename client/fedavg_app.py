@@ -13,6 +13,7 @@ from functools import lru_cache
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client.node_request import whole_number
 from common.config import RunConfig, parse_run_config
 from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_log_probs, sgd_epochs
 from common.metrics import classification_metrics_from_log_probs
@@ -31,11 +32,12 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit,
     cfg = parse_run_config(dict(context.run_config))
     nc = context.node_config
     # as the PGVI client (client/node_request.py): a federation of the wrong size would silently drop partitions
-    if "num-partitions" in nc and int(nc["num-partitions"]) != cfg.num_clients:
+    # (whole numbers: int() alone read 1.9 as partition 1 and a TOML bool as 1 / 0)
+    if "num-partitions" in nc and whole_number(nc, "num-partitions", 0) != cfg.num_clients:
         raise ValueError(f"node config num-partitions={nc['num-partitions']} disagrees with run config "
                          f"num-clients={cfg.num_clients}")
-    partition_id = int(nc.get("partition-id", 0))
-    configure_threads(int(nc.get("torch-threads", cfg.torch_threads or 1)))
+    partition_id = whole_number(nc, "partition-id", 0)
+    configure_threads(whole_number(nc, "torch-threads", cfg.torch_threads or 1))
     shard = _shard(cfg, partition_id)
     if shard.num_classes < 2:
         raise ValueError("the FedAvg baseline needs a classification dataset")

@@ -7,6 +7,8 @@ computes it in its own process or sends it to the node's warm compute worker; bo
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,26 +55,76 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault injection to make a reply disappear."""
 
 
+def whole_number(node_config: Mapping[str, Scalar], key: str, default: int) -> int:
+    """Node config ``key`` as an ``int`` (``default`` when absent): an integer, a float with no fractional part
+    (``2.0``) or a string of one (``"2"``), as the train path's ``int(...)`` reads them.
+
+    ``PGVIError`` naming the key otherwise: ``int()`` alone truncated ``1.9`` to 1 and read a TOML bool as 1 / 0,
+    so a typo ran another partition without a word."""
+    if key not in node_config:
+        return default
+    raw = node_config[key]
+    value: int | None = None
+    if isinstance(raw, numbers.Integral) and not isinstance(raw, bool):
+        value = int(raw)
+    elif isinstance(raw, float) and raw.is_integer():  # False for inf and NaN
+        value = int(raw)
+    elif isinstance(raw, str):
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+    if value is None:
+        bool_note = " (a TOML bool)" if isinstance(raw, bool) else ""
+        raise PGVIError(f"node config {key} must be a whole number, got {raw!r}{bool_note}")
+    return value
+
+
+def node_client_id(node_config: Mapping[str, Scalar]) -> str:
+    """The node's client id as given: ``client-id``, default ``site-<partition-id>`` (unchecked: see
+    :func:`node_run_config`).  No pydantic here: a train message's ClientApp process calls this."""
+    if "client-id" in node_config:
+        return str(node_config["client-id"])
+    return f"site-{whole_number(node_config, 'partition-id', 0)}"
+
+
 def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar]) -> tuple[RunConfig, int, str]:
     """The validated run config as this node runs it (node-level ``batch-size``), its partition and client id
-    (checked: ``strategies.codec.client_id_problem``)."""
+    (checked: ``strategies.codec.client_id_problem``).
+
+    Every node-level value a train or evaluate message would refuse is refused here, in the identity query before
+    round 1, with ``PGVIError`` naming the node-config key: ``partition-id`` and ``num-partitions`` are whole
+    numbers, ``num-partitions`` equals ``num-clients``, ``partition-id`` is in ``[0, num-clients)`` (else
+    ``common.problem.client_shard`` refuses every message), ``torch-threads`` is a positive whole number (else
+    ``common.runtime.configure_threads`` refuses every message).  Otherwise the run went on without the node, one
+    WARNING per round."""
     # imported here: the ClientApp process of a train or evaluate message never validates the config (its worker
     # does), and building the pydantic models costs every such process about 6 ms of CPU
     from common.config import ConfigError, parse_run_config
 
     cfg = parse_run_config(dict(run_config))
-    partition_id = int(node_config.get("partition-id", 0))
-    if "num-partitions" in node_config and int(node_config["num-partitions"]) != cfg.num_clients:
+    partition_id = whole_number(node_config, "partition-id", 0)
+    if "num-partitions" in node_config and whole_number(node_config, "num-partitions", 0) != cfg.num_clients:
         raise PGVIError(
             f"node config num-partitions={node_config['num-partitions']} disagrees with run config "
             f"num-clients={cfg.num_clients}"
         )
+    if not 0 <= partition_id < cfg.num_clients:
+        raise PGVIError(f"node config partition-id {partition_id} is outside [0, num-clients={cfg.num_clients})")
+    if "torch-threads" in node_config:  # the train path: configure_threads(int(...)), which takes an int >= 1
+        raw_threads = node_config["torch-threads"]
+        try:
+            threads = whole_number(node_config, "torch-threads", 1)
+        except PGVIError:
+            threads = 0
+        if threads < 1:
+            raise PGVIError(f"node config torch-threads must be a positive whole number, got {raw_threads!r}")
     if "batch-size" in node_config:  # validated like the run config's own key (>= 0; 0 = full batch)
         try:
             cfg = parse_run_config({**cfg.to_flat(), "batch-size": node_config["batch-size"]})
         except ConfigError as err:
             raise PGVIError(f"node config {err}".replace("invalid run config: ", "")) from None
-    client_id = str(node_config.get("client-id", f"site-{partition_id}"))
+    client_id = node_client_id(node_config)
     # the id keys the server's ledger and checkpoint: a node with an id the server would refuse fails here, in its
     # identity query before round 1, with the reason, instead of never being identified
     from strategies.codec import client_id_problem

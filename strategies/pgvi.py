@@ -931,8 +931,10 @@ class PGVIStrategy(Strategy):
             for n in unknown
         ]
         for reply in self._send_and_receive(grid, msgs, timeout):
-            if reply.has_error():
+            if reply.has_error():  # e.g. the node's config is refused (client/node_request.py): say so, once a query
                 self._last_failure = _last_line(reply.error.reason)
+                log(WARNING, "identity query to node %d failed (asked again after a backoff): %s",
+                    reply.metadata.src_node_id, self._last_failure)
                 continue
             try:  # a malformed identity reply is ignored (the node is asked again later), never a crash
                 cfg = reply.content[P.CONFIG]

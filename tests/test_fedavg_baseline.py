@@ -310,3 +310,20 @@ def test_client_evaluation_reports_the_exact_nll_not_the_floored_one():
     assert got["nll"] == pytest.approx(expected["nll"], rel=1e-12)
     for k in ("accuracy", "ece", "brier"):
         assert got[k] == pytest.approx(expected[k], rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize(("node_config", "key"), [({"partition-id": 1.9}, "partition-id"),
+                                                  ({"partition-id": True}, "partition-id"),
+                                                  ({"partition-id": 0, "num-partitions": 2.5}, "num-partitions"),
+                                                  ({"partition-id": 0, "torch-threads": 1.5}, "torch-threads")])
+def test_a_fractional_or_bool_node_setting_is_refused_not_truncated(node_config, key):
+    """As the PGVI client (client/node_request.whole_number): int() alone ran partition 1 for 1.9 and read a
+    TOML bool as 1."""
+    from types import SimpleNamespace
+
+    from client import fedavg_app
+    from common.errors import PGVIError
+
+    context = SimpleNamespace(run_config=dict(RAW), node_config=node_config)
+    with pytest.raises(PGVIError, match=f"node config {key} must be a whole number"):
+        fedavg_app._setup(None, context)  # the message is read only after the node settings
