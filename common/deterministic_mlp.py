@@ -77,7 +77,9 @@ def sgd_epochs(model: DeterministicMLP, x: np.ndarray, y: np.ndarray, config: SG
     """Train in place with mini-batch SGD on the mean cross-entropy; returns the mean loss of each epoch.
 
     A fresh optimiser per call (FedAvg clients keep no momentum between rounds); shuffling is seeded.
-    Raises ``FloatingPointError`` if the loss becomes non-finite (a diverged client must not send NaNs).
+    Raises ``FloatingPointError`` if the loss becomes non-finite or, after the last step, a parameter does (a
+    diverged client must not send NaNs: each batch's loss is measured before its step, so the loss alone misses
+    a last step that overflows the weights).
     """
     if len(x) == 0:
         raise ValueError("sgd_epochs: no training data")
@@ -102,6 +104,9 @@ def sgd_epochs(model: DeterministicMLP, x: np.ndarray, y: np.ndarray, config: SG
         if not math.isfinite(mean):
             raise FloatingPointError(f"sgd_epochs: the training loss became {mean} in epoch {epoch + 1}")
         trace.append(mean)
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise FloatingPointError(f"sgd_epochs: non-finite parameters after the last step: {', '.join(bad)}")
     return trace
 
 

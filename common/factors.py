@@ -30,7 +30,11 @@ def check_damping(rho: float) -> float:
 
 
 def cavity(posterior: GaussianFactor, site: GaussianFactor) -> GaussianFactor:
-    """``q / t_m``, checked to be a proper distribution."""
+    """``q / t_m``, checked to be a proper distribution, from a posterior ``q`` checked to be one too (an improper
+    ``q`` divided by a site of even lower precision gives a proper cavity, and the client's Delta would be computed
+    against a ``q`` the server never holds: the server only sends proper posteriors, so this is a corrupted
+    message or a direct caller's mistake, named here)."""
+    posterior.check_proper("posterior")
     return (posterior / site).check_proper("cavity")
 
 

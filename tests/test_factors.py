@@ -99,6 +99,18 @@ def test_cavity_is_quotient_and_raises_on_improper():
         cavity(f, big)
 
 
+def test_cavity_refuses_an_improper_posterior_even_when_the_quotient_is_proper():
+    """An improper q divided by a site of even lower precision is a proper cavity: it was accepted and the client
+    computed its Delta against a q the server never holds (from a review)."""
+    zero = {"theta": torch.zeros(2, dtype=DT)}
+    q = MeanFieldGaussian(zero, {"theta": torch.tensor([-0.5, 0.5], dtype=DT)})  # precisions 1 and -1
+    t = MeanFieldGaussian(zero, {"theta": torch.tensor([0.0, 1.25], dtype=DT)})  # q / t: precisions 1 and 1.5
+    assert (q / t).improper_detail() is None
+    with pytest.raises(ImproperDistributionError) as ei:
+        cavity(q, t)
+    assert ei.value.what == "posterior"
+
+
 @pytest.mark.parametrize("rho", [1.0, 0.5, 1e-3, 1 / 7])
 def test_damped_delta_is_scaled_natural_difference(rho):
     g = gen(1)

@@ -327,3 +327,15 @@ def test_a_fractional_or_bool_node_setting_is_refused_not_truncated(node_config,
     context = SimpleNamespace(run_config=dict(RAW), node_config=node_config)
     with pytest.raises(PGVIError, match=f"node config {key} must be a whole number"):
         fedavg_app._setup(None, context)  # the message is read only after the node settings
+
+
+def test_a_last_step_that_overflows_the_weights_raises_instead_of_sending_them():
+    """Each batch's loss is measured before its step: one step of lr 1e37 left inf/NaN weights behind a finite
+    loss trace, the server averaged them in and died in its own evaluation (from a review)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype(np.float32) * 1e3
+    y = rng.integers(0, 3, 64)
+    torch.manual_seed(0)
+    m = DeterministicMLP(5, [4], 3)
+    with pytest.raises(FloatingPointError, match="non-finite parameters after the last step: layers.0.weight"):
+        sgd_epochs(m, x, y, SGDConfig(lr=1e37, momentum=0.0, weight_decay=0.0, epochs=1, batch_size=64, seed=0))
