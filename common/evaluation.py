@@ -20,7 +20,8 @@ def evaluate_posterior(
     Classifiers: accuracy, NLL, ECE (15 bins), Brier; with ``bin_sums`` also the ECE's additive per-bin sums
     (:func:`common.metrics.calibration_bin_sums`, keys :func:`common.metrics.bin_sum_key`), from which a server pools the
     ECE of all clients' points exactly.  Gaussian models: predictive NLL (MC mixture over ``n_samples``
-    posterior draws) and RMSE of the predictive mean; ``y`` is ``(B, D)``, or ``(B,)`` for ``D = 1``, and a
+    posterior draws) and RMSE of the predictive mean, per point (``sqrt(mean_b ||y_b - mean_b||^2)``: for ``D > 1``
+    it is ``sqrt(D)`` times the per-coordinate RMSE); ``y`` is ``(B, D)``, or ``(B,)`` for ``D = 1``, and a
     mismatch raises :class:`~common.errors.ShapeMismatchError`.
     """
     if len(y) == 0:
