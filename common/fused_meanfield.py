@@ -112,23 +112,31 @@ int64_t pgvi_mf_forward(const float *restrict loc, const float *restrict raw, co
             for (int64_t i = 0; i < n; i++) lg[i] = logf(e2[i]);
         }
         if (kind == 0) {
+            /* lambda_p d d as common.local_gvi's moment form: lambda_p d overflows only where the term does (for
+               |d| <= 1, |lambda_p d| <= lambda_p) */
             #pragma omp simd reduction(+:acc)
             for (int64_t i = 0; i < n; i++) {
                 float u = x1[i], d = lc[i] - m_[i];
                 acc += (double)(u - log_ratio(u, t[i], e1[i]) + l_[i] * d * d);
             }
         } else if (kind == 1) {
+            /* d^2 / v as (d / v) d, as common.local_gvi's moment form: d d overflowed at |d| ~ 2e19 where the
+               term is finite (v > 1) */
             #pragma omp simd reduction(+:acc)
             for (int64_t i = 0; i < n; i++) {
                 float w = x1[i], d = lc[i] - m_[i];
-                acc += (double)(w - log_ratio(w, t[i], e1[i]) + d * d / vr[i]);
+                acc += (double)(w - log_ratio(w, t[i], e1[i]) + (d / vr[i]) * d);
             }
         } else {
+            /* the mean term lambda_p d^2 / (1 + a) as (lam_pa d) d with lam_pa = (1 / (1 + a)) lambda_p, the
+               operations of common.local_gvi's moment form and of mf_grads: lambda_p d d first overflowed float32
+               at lambda_p ~ 1e20, d ~ 1e10 where the term is ~1e20 (a ~ lambda_p v).  (lam_pa d) d overflows only
+               where the term does: for |d| <= 1, |lam_pa d| <= lam_pa */
             #pragma omp simd reduction(+:acc, nbad)
             for (int64_t i = 0; i < n; i++) {
-                float a = x1[i], u = x2[i], d = lc[i] - m_[i];
+                float a = x1[i], u = x2[i], d = lc[i] - m_[i], lam_pa = (1.0f / (1.0f + a)) * l_[i];
                 nbad += (1.0f + a > 0.0f) ? 0 : 1;
-                acc += (double)(l_[i] * d * d / (1.0f + a)
+                acc += (double)((lam_pa * d) * d
                                 - (log1p_from(a, t[i], e1[i]) - c1 * log_ratio(u, lg[i], e2[i])) * inv_aa);
             }
         }
@@ -148,21 +156,24 @@ static inline void alpha_constants(int kind, double alpha, float *c1, float *inv
     *inv_alpha = kind == 2 ? (float)(1.0 / alpha) : 0.0f;
 }
 
-/* g_div dD/dm and (gvar + g_div dD/dv) chain at one coordinate (gvar: the loss's gradient w.r.t. v, 0 if none) */
+/* g_div dD/dm and (gvar + g_div dD/dv) chain at one coordinate (gvar: the loss's gradient w.r.t. v, 0 if none).
+   Products of d go through the factor that keeps them in range, as pgvi_mf_forward's terms do: lambda_p d (KL),
+   d / v (reverse KL), lam_pa d with lam_pa = lambda_p / (1 + a) (Alpha-Renyi; lambda_p d first overflowed at
+   lambda_p ~ 1e30, d ~ 1e10 where the gradient is finite).  2 x is exact, so 2 (l d) is 2 l d's bits. */
 static inline void mf_grads(float m, float v, float c, float mp, float l, float gvar, float g_div, int kind,
                             float c1, float inv_alpha, float *g_m, float *g_r) {
     float d = m - mp, dm, dv;
     if (kind == 0) {
-        dm = 2.0f * l * d;
+        dm = 2.0f * (l * d);
         dv = l - 1.0f / v;
     } else if (kind == 1) {
-        float iv = 1.0f / v;
-        dm = 2.0f * d * iv;
-        dv = (1.0f - iv / l - d * d * iv) * iv;
+        float iv = 1.0f / v, di = d * iv;
+        dm = 2.0f * di;
+        dv = (1.0f - iv / l - di * d) * iv;
     } else {
-        float u = l * v - 1.0f, inv1a = 1.0f / (1.0f + c1 * u), t = l * d * inv1a;
+        float u = l * v - 1.0f, inv1a = 1.0f / (1.0f + c1 * u), lam_pa = inv1a * l, t = lam_pa * d;
         dm = 2.0f * t;
-        dv = -c1 * t * t + (l * inv1a - 1.0f / v) * inv_alpha; /* l / (1 + u) = 1 / v, without u's rounding */
+        dv = -c1 * t * t + (lam_pa - 1.0f / v) * inv_alpha; /* l / (1 + u) = 1 / v, without u's rounding */
     }
     *g_m = g_div * dm;
     *g_r = (gvar + g_div * dv) * c;

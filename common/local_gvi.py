@@ -564,8 +564,9 @@ class _MomentDivergenceFn(torch.autograd.Function):
         elif kind == "reverse_kl":
             d, var, lam_p = ctx.saved_tensors
             inv_v = torch.reciprocal(var)
-            g_mean = (d * inv_v).mul_(2.0 * g)
-            g_var = (1.0 - inv_v / lam_p - d * d * inv_v).mul_(inv_v).mul_(g)
+            d_v = d * inv_v  # d / v before the second d (as the compiled kernel): d * d first overflows at |d| ~ 2e19
+            g_mean = d_v.mul(2.0 * g)
+            g_var = (1.0 - inv_v / lam_p - d_v * d).mul_(inv_v).mul_(g)
         else:
             d, var, lam_pa = ctx.saved_tensors
             t = lam_pa * d  # lambda_p d / (1 + a), without the overflow of lambda_p d
