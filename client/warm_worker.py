@@ -432,7 +432,8 @@ class SocketLock:
                 os.close(fd)
                 raise OSError(err.errno, f"cannot lock {self.path} ({err.strerror or _describe(err)}): its "
                               "filesystem does not support flock (NFS without a lock manager?); put the worker's "
-                              "socket (--socket) on a local filesystem, e.g. under /tmp or $XDG_RUNTIME_DIR") from err
+                              "socket on a local filesystem, e.g. under /tmp or $XDG_RUNTIME_DIR (--socket; with "
+                              "scripts/deploy.py, --run-dir)") from err
             except BaseException:
                 os.close(fd)
                 raise

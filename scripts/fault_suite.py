@@ -323,7 +323,10 @@ class Suite:
     def _stop(self, dep: Deployment) -> None:
         if dep not in self.deployments:
             return
-        killed = dep.stop()
+        # a second Ctrl-C / SIGTERM / SIGHUP must not cut the stop short (it takes < ~20 s): a process that ignores
+        # SIGTERM would be left running without its SIGKILL
+        with signal_handlers(signal.SIG_IGN, (signal.SIGINT, *STOP_SIGNALS)):
+            killed = dep.stop()
         left = dep.leftover_processes()
         say(f"deployment {dep.run_dir.name} stopped; stray processes killed by marker: {len(killed)}, left: {len(left)}")
         self.deployments.remove(dep)
@@ -1007,16 +1010,17 @@ def _int_at_least(low: int, why: str = "") -> Callable[[str], int]:
     return parse
 
 
-def _finite_number(low: float = 0.0, *, allow_low: bool = False) -> Callable[[str], float]:
-    """argparse type: a finite number > ``low`` (>= ``low`` with ``allow_low``)."""
+def _finite_number(low: float = 0.0, *, allow_low: bool = False, allow_inf: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number > ``low`` (>= ``low`` with ``allow_low``; +inf too with ``allow_inf``)."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < low or (value == low and not allow_low):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_low else '>'} {low:g}, "
-                                             f"got {text!r}")
+        finite = math.isfinite(value) or (allow_inf and value == math.inf)
+        if not finite or value < low or (value == low and not allow_low):
+            what = "a number" if allow_inf else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {what} {'>=' if allow_low else '>'} {low:g}, got {text!r}")
         return value
 
     return parse
@@ -1041,8 +1045,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--superlink-state", choices=("sqlite", "memory"), default="memory",
                    help="SuperLink state: memory (default; no SQLite 'database is locked' under load, Finding 2) "
                         "or sqlite (the durable state.db)")
-    p.add_argument("--max-load", type=_finite_number(), default=16.0,
-                   help="wait before a run while loadavg(1 min) >= this (> 0)")
+    p.add_argument("--max-load", type=_finite_number(allow_inf=True), default=16.0,
+                   help="wait before a run while loadavg(1 min) >= this (> 0; inf: never wait)")
     p.add_argument("--load-wait", type=_finite_number(allow_low=True), default=60.0,
                    help="longest wait for the load to drop (s)")
     p.add_argument("--retries", type=_int_at_least(0), default=1,

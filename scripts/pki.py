@@ -337,7 +337,8 @@ def _locked(out: Path) -> Iterator[None]:
         except OSError as err:
             raise OSError(err.errno, f"cannot lock {locked} ({err.strerror or err}): its filesystem does not "
                           "support flock (NFS without a lock manager?); put the PKI directory on a local "
-                          "filesystem, or create the PKI on one and copy it") from err
+                          "filesystem (scripts/deploy.py: a --run-dir there, or give files made elsewhere with "
+                          "--certs, which are only read)") from err
         yield
     finally:
         os.close(fd)

@@ -26,8 +26,10 @@ that happened (a loaded machine), the script starts the same SuperLink itself, w
 One simulation at a time per --out directory: a second one on the same --out is refused while the first
 runs (they would share FLWR_HOME, and the first to finish would stop the other's SuperLink).
 
-No time limit by default (a simulation of 1,000 clients may well run for hours); --timeout-s S stops it after S
-seconds: ``flwr run`` is killed, the cleanup runs, and the script prints one error line and exits 1.
+No time limit by default (a simulation of 1,000 clients may well run for hours); --timeout-s S stops a ``flwr run``
+that has run S seconds: it is killed, the cleanup runs, and the script prints one error line and exits 1.  (The
+limit is per ``flwr run``: when Flower's own SuperLink fails to start, the script starts one itself, waiting up to
+--superlink-timeout, and runs ``flwr run`` once more with the same limit.)
 
 Ctrl-C, SIGTERM and SIGHUP (terminal closed, ssh session dropped) stop the simulation like the end of a run does:
 every process of it is stopped, then the script exits 130.  The cleanup itself ignores further stop signals (it
@@ -594,8 +596,8 @@ def main() -> None:
                     help="seconds the SuperLink this script starts, if Flower's own did not answer within "
                          "Flower's fixed 15 s, gets to answer (default %(default)g)")
     ap.add_argument("--timeout-s", type=_positive_seconds, default=None,
-                    help="stop the simulation when `flwr run` has run this many seconds: its processes are stopped "
-                         "and the script exits 1 (default: no limit)")
+                    help="stop the simulation when a `flwr run` has run this many seconds (each of at most two "
+                         "attempts, see above): its processes are stopped and the script exits 1 (default: no limit)")
     args = ap.parse_args()
     try:
         run_config = pyproject_run_config(args.config)

@@ -1,7 +1,8 @@
 """Stop signals for the scripts that start processes (deploy.py, simulate.py, fault_suite.py).
 
 SIGTERM and SIGHUP (a closed terminal, a dropped ssh session) stop a script the way Ctrl-C does: the handler
-raises ``KeyboardInterrupt``, so every ``finally`` that stops the script's processes runs.  While that cleanup
+raises ``KeyboardInterrupt``, so every ``finally`` that stops the script's processes runs.  A signal ignored when
+the script starts (SIGHUP under ``nohup``) stays ignored.  While that cleanup
 runs, :func:`signal_handlers` with ``signal.SIG_IGN`` keeps a second signal from cutting it short.
 """
 
@@ -26,9 +27,13 @@ def raise_interrupt(signum: int, _frame: object) -> None:
 @contextlib.contextmanager
 def signal_handlers(handler: Any, sigs: Sequence[int]) -> Iterator[None]:
     """Install ``handler`` for ``sigs`` (main thread only: elsewhere nothing changes), restoring the old handlers
-    on exit."""
+    on exit.  A signal the process ignores (``SIG_IGN``, e.g. SIGHUP under ``nohup``) stays ignored unless
+    ``handler`` is ``SIG_IGN`` itself: a script started with ``nohup ... &`` must outlive its terminal, as the
+    shell's rule for traps of signals ignored on entry has it."""
     old: dict[int, Any] = {}
     for sig in sigs:
+        if handler is not signal.SIG_IGN and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
         try:
             old[sig] = signal.signal(sig, handler)
         except ValueError:  # pragma: no cover - not the main thread
