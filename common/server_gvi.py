@@ -430,6 +430,14 @@ class ServerGVIStep:
         dtype = prior.dtype
         prior64, site64 = prior.to(torch.float64), _symmetric_part(global_site.to(torch.float64))
         if isinstance(self.divergence, FisherRao):
+            unbounded = fisher_rao_unbounded_coordinates(site64)
+            if unbounded:
+                raise ServerOptimisationError(
+                    f"server GVI step ('fisher_rao'): the objective is unbounded below: the global site has "
+                    f"{unbounded} coordinate(s) with negative precision (or zero precision and a linear term), along "
+                    "which E_q[l_s] falls without limit while the Fisher-Rao distance grows only logarithmically; "
+                    "eq. 7 has no minimiser"
+                )
             dual = fisher_rao_prior_dual_norm(prior64, site64)
             if dual is not None and dual <= 1.0:
                 return self._prior_unless_beaten(prior, prior64, site64, dual)
@@ -911,6 +919,25 @@ def alpha_renyi_margin(q: GaussianFactor, p: GaussianFactor, alpha: float) -> fl
     w = torch.linalg.solve_triangular(chol, a * lq + b * lp, upper=False)
     w = torch.linalg.solve_triangular(chol, w.T, upper=False)  # L^-1 Lambda_a L^-T (Lambda_a symmetric)
     return float(torch.linalg.eigvalsh(0.5 * (w + w.T)).min())
+
+
+def fisher_rao_unbounded_coordinates(global_site: GaussianFactor) -> int:
+    """How many coordinates make the Fisher-Rao server objective ``E_q[l_s] + FR(q, prior)`` unbounded below:
+    those where ``E_q[l_s] = -(e1 m + e2 (m^2 + s^2))`` falls without limit, i.e. ``e2 > 0`` (a negative precision:
+    ``-e2 s^2`` as ``s`` grows) or ``e2 = 0`` and ``e1 != 0`` (``-e1 m`` as ``m`` runs off), while the distance
+    grows only like ``log s`` or ``log |m|`` along them (a full covariance only for ``d = 1``: ``0`` otherwise).
+    The step then has no minimiser; which answer a descent gave depended on where it happened to wander (the prior,
+    a local minimum, or a raise), so it is refused up front."""
+    if isinstance(global_site, MeanFieldGaussian):
+        count = 0
+        for n in global_site.names:
+            e1, e2 = global_site.params[f"eta1/{n}"], global_site.params[f"eta2/{n}"]
+            count += int(((e2 > 0) | ((e2 == 0) & (e1 != 0))).sum())
+        return count
+    if isinstance(global_site, FullCovarianceGaussian) and global_site.dim == 1:
+        e1, e2 = float(global_site.eta1[0]), float(global_site.eta2[0, 0])
+        return int(e2 > 0 or (e2 == 0 and e1 != 0))
+    return 0
 
 
 def fisher_rao_prior_dual_norm(prior: GaussianFactor, global_site: GaussianFactor) -> float | None:
