@@ -26,6 +26,9 @@ class LikelihoodOutput(ABC):
         """``log int p(z | theta_s, x_b)^power dz``, shape ``(S, B)`` (a sum over classes if discrete)."""
 
 
+_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
 def check_class_labels(y: Tensor, num_classes: int, what: str = "categorical likelihood") -> None:
     """``ValueError`` (message prefixed with ``what``) unless ``y`` holds class indices in ``[0, num_classes)``:
     an integer dtype, or a floating one whose values are all integers (e.g. binary ``0.``/``1.``).
@@ -37,6 +40,8 @@ def check_class_labels(y: Tensor, num_classes: int, what: str = "categorical lik
     """
     if y.is_complex() or y.dtype == torch.bool:
         raise ValueError(f"{what}: labels must be integer class indices, got dtype {y.dtype}")
+    if y.dtype in _WIDE_UNSIGNED:  # no aminmax for them; a value past int64's range wraps negative and is refused
+        y = y.to(torch.int64)
     if y.numel() and y.device.type != "meta":
         lo_t, hi_t = torch.aminmax(y)
         lo, hi = lo_t.item(), hi_t.item()  # two scalar reads: cheaper on the CPU than combining on-device

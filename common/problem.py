@@ -192,6 +192,8 @@ class Problem:
         xt = torch.as_tensor(np.asarray(x), dtype=self.dtype)
         if self.model.is_classifier:
             raw = torch.as_tensor(np.asarray(y))
+            if raw.dtype == torch.bool:  # binary labels as False / True: classes 0 / 1, as the cast to long made them
+                raw = raw.to(torch.int64)
             c = int(self.model.num_classes)  # type: ignore[attr-defined]  # every classifier model has it
             cfg = self.cfg  # None for a hand-built Problem (tests): then name the model only
             what = (f"dataset '{cfg.dataset}' (model '{cfg.model}', {c} classes)" if cfg is not None

@@ -54,6 +54,7 @@ from contextlib import contextmanager
 
 import torch
 
+from common import native as _native  # noqa: F401  (imported here for its fork hook, see _sync_pool)
 from common.environment import env_flag
 
 _LOG = logging.getLogger(__name__)
@@ -203,12 +204,14 @@ def subnormals_flushed(flush_denormals: bool | None = None) -> Iterator[bool]:
 
 
 def _sync_pool(threads: int) -> bool:
-    """:func:`common.native.sync_pool_fp_mode` with more than one thread (its helper is built on first use)."""
+    """:func:`common.native.sync_pool_fp_mode` with more than one thread (its helper is built on first use).
+
+    Skipped in a child forked after the parent's pool existed (a parallel region there hangs in libgomp): the
+    fork hook that tells is :mod:`common.native`'s, which this module imports so that it is registered in every
+    process that uses this one before it forks."""
     if threads < 2:
         return False
-    from common import native
-
-    return native.sync_pool_fp_mode(threads)
+    return _native.sync_pool_fp_mode(threads)
 
 
 def _flush_setting(flush_denormals: bool | None) -> bool:

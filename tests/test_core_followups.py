@@ -110,15 +110,26 @@ def test_direct_log_prob_calls_still_check_and_the_opt_out_only_skips_the_values
     assert out.num_classes == 3 and not out.labels_checked
 
 
-def test_training_values_unchanged_by_skipping_the_per_call_check():
-    """The same run gives bit-identical results whether the outputs check their labels or not."""
+def test_training_values_unchanged_by_skipping_the_per_call_check(monkeypatch):
+    """The same run gives bit-identical results whether the outputs check their labels on every call or not."""
+    import common.local_gvi as lg
+
     model, x, y, prior = _logistic()
     cfg = LocalGVIConfig(epochs=3, batch_size=16, n_samples=3, patience=None, polish=False)
+    checks = []
     a = local_gvi(model, make_loss("nll"), make_divergence("kl"), prior, x, y, init=prior, config=cfg)
-    # with float labels the same values: the loop's check accepts integer-valued floats
-    b = local_gvi(model, make_loss("nll"), make_divergence("kl"), prior, x, y.to(F64), init=prior, config=cfg)
+    # no up-front check: every output checks its own labels, on every minibatch
+    monkeypatch.setattr(lg, "_check_labels", lambda model, y: None)
+    import common.likelihoods as lk
+    monkeypatch.setattr(lk, "check_class_labels", lambda *args, **kw: checks.append(1))
+    b = local_gvi(model, make_loss("nll"), make_divergence("kl"), prior, x, y, init=prior, config=cfg)
+    assert checks, "the per-call check did not run"
     assert a.objective_trace == b.objective_trace
     assert a.posterior.max_abs_diff(b.posterior) == 0.0
+    # with float labels the same values: the up-front check accepts integer-valued floats
+    monkeypatch.undo()
+    c = local_gvi(model, make_loss("nll"), make_divergence("kl"), prior, x, y.to(F64), init=prior, config=cfg)
+    assert a.objective_trace == c.objective_trace
 
 
 def _logistic_problem():
@@ -139,7 +150,11 @@ def test_problem_tensors_rejects_bad_labels_naming_the_dataset(bad):
 def test_problem_tensors_accepts_valid_labels_as_long():
     problem = _logistic_problem()
     x = np.zeros((4, 2))
-    for y in (np.array([0, 1, 1, 0]), np.array([0, 1, 1, 0], dtype=np.int32), np.array([0.0, 1.0, 1.0, 0.0])):
+    # unsigned and bool labels too (the cast to long took them; uint16/32/64 have no aminmax, review of this change)
+    for y in (np.array([0, 1, 1, 0]), np.array([0, 1, 1, 0], dtype=np.int32), np.array([0.0, 1.0, 1.0, 0.0]),
+              np.array([0, 1, 1, 0], dtype=np.uint8), np.array([0, 1, 1, 0], dtype=np.uint16),
+              np.array([0, 1, 1, 0], dtype=np.uint32), np.array([0, 1, 1, 0], dtype=np.uint64),
+              np.array([False, True, True, False])):
         xt, yt = problem.tensors(x, y)
         assert yt.dtype == torch.long and yt.tolist() == [0, 1, 1, 0] and xt.dtype == problem.dtype
 

@@ -349,3 +349,35 @@ none = int(((x * 1e-10) == 0).sum())
 print(half, ok, full, ok2, none, native.sync_pool_fp_mode(1))
 """
     assert _run(code).split() == [str(1 << 19), "True", str(1 << 20), "True", "0", "False"]
+
+
+_FORK = r"""
+import os, sys, time
+import torch
+torch.set_num_threads(2)
+from common import runtime  # all a user imports: the fork hook must come with it
+x = torch.rand(4_000_000)
+for _ in range(3):
+    (x * 2.0).sum()  # the parent's libgomp pool exists now
+pid = os.fork()
+if pid == 0:
+    with runtime.subnormals_flushed(True):
+        torch.rand(100).sum()
+    os._exit(0)
+deadline = time.time() + 60
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child exited", status)
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9); os.waitpid(pid, 0)
+    print("child hung")
+"""
+
+
+def test_subnormals_flushed_in_a_forked_child_does_not_sync_the_parents_pool():
+    """A child forked after the parent's pool existed hung in the pool sync when the parent had imported
+    common.runtime but not common.native, whose fork hook tells a forked child (review of this change)."""
+    assert _run(_FORK).strip() == "child exited 0"
