@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -70,13 +71,18 @@ def stale_temp_files(path: str | os.PathLike) -> list[Path]:
                   if pattern.fullmatch(n) and (path.parent / n).is_file() and not (path.parent / n).is_symlink())
 
 
-def remove_stale_temp_files(path: str | os.PathLike) -> tuple[int, int]:
-    """Delete :func:`stale_temp_files` of ``path``; ``(files removed, their bytes)``.  A file that vanished or
-    cannot be removed meanwhile is skipped."""
+def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0) -> tuple[int, int]:
+    """Delete :func:`stale_temp_files` of ``path`` last modified at least ``min_age_s`` seconds ago (a write in
+    progress keeps its temp file's modification time fresh: a positive age spares another process's write);
+    ``(files removed, their bytes)``.  A file that vanished or cannot be removed meanwhile is skipped."""
     removed = size = 0
+    now = time.time()
     for tmp in stale_temp_files(path):
         try:
-            n = tmp.stat().st_size
+            st = tmp.stat()
+            if now - st.st_mtime < min_age_s:
+                continue
+            n = st.st_size
             tmp.unlink()
         except OSError:
             continue

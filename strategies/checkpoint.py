@@ -114,12 +114,19 @@ def _config_differences(ours: dict, theirs: dict) -> list[str]:
     return out
 
 
-def remove_stale_temp_checkpoints(directory: str | os.PathLike) -> tuple[int, int]:
+#: Age (s) below which a checkpoint temp file in the directory a run resumes from is kept: that directory may be a
+#: live run's (a resume of a run that is still going), whose write in progress must not lose its temp file; a
+#: checkpoint write takes about a second per 100 MB.
+RESUME_TEMP_MIN_AGE_S = 600.0
+
+
+def remove_stale_temp_checkpoints(directory: str | os.PathLike, min_age_s: float = 0.0) -> tuple[int, int]:
     """Delete the temp files a server killed while writing ``directory``'s checkpoint left there (named as
-    ``common.atomic_io`` names them for ``checkpoint.npz``, nothing else); ``(files, bytes)`` removed.  Called when
-    a strategy starts, for the directory it writes to and the one it resumes from: no server may be writing there
-    then (two servers on one checkpoint overwrite each other anyway)."""
-    return remove_stale_temp_files(Path(directory) / CHECKPOINT_FILE)
+    ``common.atomic_io`` names them for ``checkpoint.npz``, nothing else, at least ``min_age_s`` old); ``(files,
+    bytes)`` removed.  Called when a strategy starts: for the directory it writes to (no other server may write
+    there: two servers on one checkpoint overwrite each other anyway) and, with :data:`RESUME_TEMP_MIN_AGE_S`, for
+    the one it resumes from."""
+    return remove_stale_temp_files(Path(directory) / CHECKPOINT_FILE, min_age_s)
 
 
 def _site_members(cid: str, site_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

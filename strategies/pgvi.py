@@ -72,7 +72,8 @@ from common.server_gvi import ServerGVIStep
 from common.families import GaussianFactor
 from common.metrics import bin_sum_key, ece_from_bin_sums
 from common.problem import Problem
-from strategies.checkpoint import load_checkpoint, remove_stale_temp_checkpoints, save_checkpoint
+from strategies.checkpoint import (RESUME_TEMP_MIN_AGE_S, load_checkpoint, remove_stale_temp_checkpoints,
+                                   save_checkpoint)
 from strategies.codec import _short, arrays_to_record, client_id_problem, factor_to_record, layout_key, record_to_factor
 
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
@@ -489,10 +490,15 @@ class PGVIStrategy(Strategy):
     def _remove_stale_temp_checkpoints(self) -> None:
         """Delete the temp files of checkpoints a killed server was writing (``common.atomic_io`` removes its temp
         file on any error, but a SIGKILL or a power cut leaves it: one checkpoint's size per kill, never read) in
-        the directory this run checkpoints to and the one it resumes from; nothing writes there before the run
-        starts."""
-        for directory in dict.fromkeys(d for d in (self.checkpoint_dir, self.resume_from) if d is not None):
-            removed, size = remove_stale_temp_checkpoints(directory)
+        the directory this run checkpoints to, and those older than ``RESUME_TEMP_MIN_AGE_S`` in the one it resumes
+        from (which may be a live run's: its write in progress keeps its temp file)."""
+        dirs = {}
+        if self.resume_from is not None:
+            dirs[Path(self.resume_from).resolve()] = RESUME_TEMP_MIN_AGE_S
+        if self.checkpoint_dir is not None:
+            dirs[Path(self.checkpoint_dir).resolve()] = 0.0
+        for directory, min_age in dirs.items():
+            removed, size = remove_stale_temp_checkpoints(directory, min_age)
             if removed:
                 log(INFO, "removed %d temp file(s) of an interrupted checkpoint write (%.1f MB) from %s", removed,
                     size / 1e6, directory)

@@ -331,6 +331,9 @@ def test_a_killed_writers_checkpoint_temp_file_is_removed_when_a_strategy_starts
     _run(first, {"num-server-rounds": 1})
     left = _kill_mid_write(first)
     assert len(left) == 1 and left[0].name.startswith(".checkpoint.") and left[0].name.endswith(".tmp")
+    if where == "resume-from":  # there only a temp file older than RESUME_TEMP_MIN_AGE_S counts as a killed writer's
+        old = left[0].stat().st_mtime - 3600.0
+        os.utime(left[0], (old, old))
     decoys = _decoys(first)
     raw, cfg, nodes = _setup({"num-server-rounds": 2})
     if where == "checkpoint-dir":
@@ -341,6 +344,19 @@ def test_a_killed_writers_checkpoint_temp_file_is_removed_when_a_strategy_starts
     assert not left[0].exists()
     assert all(p.exists() for p in decoys)
     load_checkpoint(PGVIStrategy(build_problem(cfg)), first)
+
+
+def test_a_fresh_temp_file_in_the_resume_directory_is_kept(tmp_path):
+    """The directory a run resumes from may be a live run's: deleting its write-in-progress temp file made that
+    run's checkpoint write fail (review of this change)."""
+    first = tmp_path / "first"
+    _run(first, {"num-server-rounds": 1})
+    live = first / ".checkpoint.abcd1234.tmp"  # another server's write in progress
+    live.write_bytes(b"partial")
+    raw, cfg, nodes = _setup({"num-server-rounds": 2})
+    s = PGVIStrategy(build_problem(cfg), poll_interval=0.0, checkpoint_dir=tmp_path / "second", resume_from=first)
+    s.start(InProcessGrid(client_app, nodes, raw))
+    assert live.exists()
 
 
 def test_stale_temp_files_match_exactly_what_atomic_write_creates(tmp_path):
