@@ -99,12 +99,21 @@ def fake_flwr_bin(tmp_path, monkeypatch):
         _kill(_procs_with_home(home.resolve()))
 
 
+def _stop_signals_default() -> None:
+    """preexec_fn: the driver starts with the default stop-signal dispositions.  A test run under ``nohup`` (as a
+    CI job may be) passes SIGHUP ignored down to its children, and the scripts keep a signal ignored on entry
+    ignored (scripts/stop_signals.py), so the SIGHUP tests would test nothing there."""
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _start_sim_driver(tmp_path: Path, fake: Path, stop_timeout: float, **env: str) -> tuple[subprocess.Popen, Path]:
     driver = tmp_path / "sim_driver.py"
     driver.write_text(SIM_DRIVER.format(repo=str(REPO)))
     out = tmp_path / "sim"
     proc = subprocess.Popen([sys.executable, str(driver), str(fake), str(out), str(stop_timeout)],
-                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_stop_signals_default)
     return proc, out
 
 
@@ -207,7 +216,7 @@ def test_fault_suite_stops_its_deployment_on_sighup(tmp_path):
     driver = tmp_path / "fs_driver.py"
     driver.write_text(FS_DRIVER.format(repo=str(REPO)))
     proc = subprocess.Popen([sys.executable, str(driver), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_stop_signals_default)
     token, detached = "", None
     try:
         _await_file(out / "token", proc=proc)
