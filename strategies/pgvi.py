@@ -274,12 +274,27 @@ def _metric_number(value: object) -> float | None:
     return None if math.isnan(x) else x
 
 
-def _pool_client_metrics(totals: dict[str, float], weights: dict[str, float], n_total: float,
-                         bins: dict[str, float], all_binned: bool,
+def _weighted_mean(pairs: list[tuple[float, float]]) -> float:
+    """``sum n t / sum n`` over ``(n, t)`` pairs (``n > 0``), without overflowing where the mean itself does not:
+    ``max|t| * sum (n / N)(t / max|t|)`` (``n t`` alone overflowed at ``t ~ 1e306``, and 1e308 beside -1e308 pooled
+    to inf - inf = NaN).  Infinite terms give the infinity of their sign (the caller treats both signs at once as
+    undefined)."""
+    infinite = [t for _, t in pairs if math.isinf(t)]
+    if infinite:
+        return infinite[0]
+    scale = max(abs(t) for _, t in pairs)
+    if scale == 0.0:
+        return 0.0
+    total = math.fsum(n for n, _ in pairs)
+    return scale * math.fsum((n / total) * (t / scale) for n, t in pairs)
+
+
+def _pool_client_metrics(means: dict[str, float], n_total: float, bins: dict[str, float], all_binned: bool,
                          undefined: frozenset[str] = frozenset()) -> dict[str, float]:
     """Metrics of all clients' test points together: means over points are example-weighted means over the
-    clients that reported that metric (``weights[k]``: their examples; a client without the key, e.g. a regression
-    client beside classifiers, or with a NaN, adds neither to the sum nor to the weight); the RMSE is the root of the
+    clients that reported that metric (``means[k]``, :func:`_weighted_mean` of their examples and values; a client
+    without the key, e.g. a regression client beside classifiers, or with a NaN, adds neither to the sum nor to
+    the weight); the RMSE is the root of the
     pooled mean square; the ECE comes from the summed per-bin sums when every client sent them (the
     example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean.  Counts
     (``num_points`` of common.metrics) are not means: weighted by n they gave sum(n^2)/sum(n); the pooled count is
@@ -289,11 +304,11 @@ def _pool_client_metrics(totals: dict[str, float], weights: dict[str, float], n_
     ``undefined`` (one client sent +inf, another -inf: inf - inf has no value) is NaN, written ``nan`` in
     ``metrics.csv`` and the log and ``null`` in ``metrics.jsonl`` (the caller warns, naming the key and the
     nodes).  NaN rather than leaving the key out: a missing key reads as "no client reported it"."""
-    out = {f"client-{k}": math.nan if k in undefined else v / weights[k]
-           for k, v in totals.items() if k not in ("num_points", "num-points")}
+    out = {f"client-{k}": math.nan if k in undefined else v
+           for k, v in means.items() if k not in ("num_points", "num-points")}
     if "client-rmse" in out:
         out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
-    if "ece" in totals and all_binned and bins:
+    if "ece" in means and all_binned and bins:
         n_bins = 1 + max(int(m.group(1)) for m in map(_BIN_KEY.fullmatch, bins) if m)
         sums = [[bins.get(bin_sum_key(b, what), 0.0) for b in range(n_bins)] for what in ("count", "conf", "correct")]
         try:
@@ -389,8 +404,7 @@ class PGVIStrategy(Strategy):
         return [Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in self._known_nodes(grid)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        totals: dict[str, float] = {}  # sum over replies of num-examples x metric
-        weights: dict[str, float] = {}  # sum of num-examples over the replies that sent that metric
+        terms: dict[str, list[tuple[float, float]]] = {}  # metric -> (num-examples, value) of the replies with it
         bins: dict[str, float] = {}  # sum over replies of the ECE's per-bin sums
         all_binned = True  # every reply with an ECE also sent its bin sums
         infinite: dict[str, tuple[list[int], list[int]]] = {}  # metric -> nodes whose term was +inf, -inf
@@ -431,12 +445,12 @@ class PGVIStrategy(Strategy):
                     term = v * v if k == "rmse" else v
                     if math.isinf(term):
                         infinite.setdefault(k, ([], []))[term < 0].append(msg.metadata.src_node_id)
-                    totals[k] = totals.get(k, 0.0) + n * term
-                    weights[k] = weights.get(k, 0.0) + n
+                    terms.setdefault(k, []).append((n, term))
         if n_total == 0:
             return None
         undefined = frozenset(k for k, (pos, neg) in infinite.items() if pos and neg)
-        out = _pool_client_metrics(totals, weights, n_total, bins, all_binned, undefined)
+        means = {k: math.nan if k in undefined else _weighted_mean(pairs) for k, pairs in terms.items()}
+        out = _pool_client_metrics(means, n_total, bins, all_binned, undefined)
         for k in sorted(undefined):
             if math.isnan(out.get(f"client-{k}", 0.0)):  # not a count (not pooled) nor an ECE pooled from its bins
                 pos, neg = infinite[k]

@@ -150,3 +150,12 @@ def test_a_confidence_one_ulp_above_an_edge_is_in_the_bin_above_it():
             b = int(np.argmax(calibration_bin_sums(p, y)[0]))
             rb = reliability_bins(p, y)
             assert rb["lower"][b] < c <= rb["upper"][b], (k, c, b)
+
+
+def test_finite_client_values_near_the_float_range_pool_without_overflow(strategy):
+    """n x value overflowed: 1e308 beside -1e308 pooled to inf - inf = NaN without a word, and 1e306 from 300
+    examples to inf (review of this change set)."""
+    replies = [_EvalReply({"num-examples": 100.0, "nll": 1e308}, 0), _EvalReply({"num-examples": 100.0, "nll": -1e308}, 1)]
+    assert dict(strategy.aggregate_evaluate(1, replies))["client-nll"] == 0.0
+    replies = [_EvalReply({"num-examples": 300.0, "nll": 1e306}, 0), _EvalReply({"num-examples": 100.0, "nll": 1e306}, 1)]
+    assert dict(strategy.aggregate_evaluate(1, replies))["client-nll"] == pytest.approx(1e306)
