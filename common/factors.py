@@ -38,6 +38,21 @@ def cavity(posterior: GaussianFactor, site: GaussianFactor) -> GaussianFactor:
     return (posterior / site).check_proper("cavity")
 
 
+def product_of_sites(sites: Iterable[GaussianFactor], like: GaussianFactor,
+                     accumulate: torch.dtype | None = None) -> GaussianFactor:
+    """``prod_m t_m`` (natural parameters summed) from ``like.zeros_like()``, in ``like``'s dtype; with
+    ``accumulate`` the sum is formed in that dtype (e.g. float64) and cast back once."""
+    if accumulate is None:
+        total = like.zeros_like()
+        for s in sites:
+            total = total * s
+        return total
+    total = like.zeros_like().to(accumulate)
+    for s in sites:
+        total = total * s.to(accumulate)
+    return total.to(like.dtype)
+
+
 def damped_delta(local_posterior: GaussianFactor, posterior: GaussianFactor, rho: float) -> GaussianFactor:
     """``Delta_m = (q_m / q) ** rho``: the change of client m's site, the only thing sent to the server."""
     local_posterior.check_proper("local posterior")
@@ -155,8 +170,9 @@ class PGVIServerState:
         site = self.sites.get(client_id)
         if site is None:
             return self.posterior
-        try:
-            global_site = self._product_of_sites(exclude=client_id)
+        try:  # summed in float64 (the float32 sum of many sites rounds at every addition), checked finite
+            others = (s for cid, s in self.sites.items() if cid != client_id)
+            global_site = product_of_sites(others, self.prior, torch.float64).check_finite("global site")
         except PGVIError as err:
             raise UpdateRejected(client_id, f"removing its site: {err}") from err
         try:
@@ -169,20 +185,7 @@ class PGVIServerState:
         self.version += 1
         return posterior
 
-    def _product_of_sites(self, exclude: str | None = None) -> GaussianFactor:
-        """The product of the ledger's sites (but ``exclude``'s), accumulated in float64 and cast to the state's
-        dtype (the float32 sum of many sites rounds at every addition), checked finite."""
-        dtype = self.prior.dtype
-        total = self.prior.zeros_like().to(torch.float64)
-        for cid, s in self.sites.items():
-            if cid != exclude:
-                total = total * s.to(torch.float64)
-        return total.to(dtype).check_finite("global site")
-
     def check_invariant(self, atol: float = 1e-8) -> float:
         """max |eta(global_site) - eta(prod sites)|: must be ~0 at all times (l_s = sum_m l_m)."""
         assert self.global_site is not None
-        total = self.prior.zeros_like()
-        for s in self.sites.values():
-            total = total * s
-        return total.max_abs_diff(self.global_site)
+        return product_of_sites(self.sites.values(), self.prior).max_abs_diff(self.global_site)

@@ -54,7 +54,7 @@ from contextlib import contextmanager
 
 import torch
 
-from common import native as _native  # noqa: F401  (imported here for its fork hook, see _sync_pool)
+from common import native as _native  # at import, for its fork hook (see _sync_pool)
 from common.environment import env_flag
 
 _LOG = logging.getLogger(__name__)

@@ -316,7 +316,6 @@ class _ReachedPrior(Exception):
     def __init__(self, here: _Trial, iterations: int) -> None:
         super().__init__(f"entered the prior's basin after {iterations} iterations (Fisher-Rao distance "
                          f"{here.divergence:.3g} to the prior, objective {here.f:.6g})")
-        self.iterations = iterations
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 
 from common.atomic_io import atomic_save_npz, load_npz, remove_stale_temp_files
 from common.errors import PGVIError
+from common.factors import product_of_sites
 from strategies.codec import _short
 
 if TYPE_CHECKING:
@@ -209,9 +210,7 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
         what = f"missing key {_cut(str(err))}" if isinstance(err, KeyError) else \
             f"{type(err).__name__}: {_cut(str(err))}"
         raise _mismatch(path, f"damaged header: {what}") from None
-    total = strategy.problem.prior.zeros_like()
-    for site in sites.values():
-        total = total * site
+    total = product_of_sites(sites.values(), strategy.problem.prior)
     if total.max_abs_diff(global_site) > _invariant_tolerance(global_site, sites, header["ledger_versions"]):
         raise _mismatch(path, "checkpoint ledger is inconsistent: global site != product of sites")
 
