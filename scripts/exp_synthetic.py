@@ -57,6 +57,7 @@ from common.families import GaussianFactor, MeanFieldGaussian  # noqa: E402
 from common.problem import ArraysSplit, Problem, build_problem  # noqa: E402
 from common.runtime import configure_compute  # noqa: E402
 from common.strict_json import dumps_json  # noqa: E402
+from scripts.arg_types import int_at_least  # noqa: E402
 
 EXPERIMENTS = ("clutter", "influence", "logistic2d")
 LOCAL_EPOCHS = 10  # Adam warm start (one full-batch step per epoch); the L-BFGS polish then converges
@@ -614,22 +615,11 @@ def _plot_logistic(path: Path, data: Any, state: dict[str, Any]) -> None:
 
 
 # ==================================================================================================
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (``--seeds 0`` meant the default number of seeds, ``-1`` no seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (a number of seeds), got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     configure_compute(1)  # here, not at import: importing the module must not change the process's torch settings
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=(*EXPERIMENTS, "all"))
-    ap.add_argument("--seeds", type=_positive_int, default=None,
+    ap.add_argument("--seeds", type=int_at_least(1, " (a number of seeds)"), default=None,
                     help="number of seeds, >= 1 (default: clutter 10, influence 1, logistic2d 10)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "experiments")
     ap.add_argument("--img", type=Path, default=ROOT / "docs" / "img")

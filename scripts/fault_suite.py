@@ -65,7 +65,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -88,6 +87,7 @@ from common.client_state import ClientState  # noqa: E402
 from common.config import RunConfig, parse_run_config  # noqa: E402
 from common.families import GaussianFactor  # noqa: E402
 from common.problem import build_problem  # noqa: E402
+from scripts.arg_types import int_at_least, number_above  # noqa: E402
 from scripts.deploy import Deployment, RunResult, free_port_kwargs  # noqa: E402
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 from strategies.checkpoint import CHECKPOINT_FILE  # noqa: E402
@@ -996,36 +996,6 @@ def _expand(only: Sequence[str]) -> list[str]:
     return out
 
 
-def _int_at_least(low: int, why: str = "") -> Callable[[str], int]:
-    """argparse type: an integer >= ``low`` (checked before anything starts, not when a scenario first uses it)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{why}, got {value}")
-        return value
-
-    return parse
-
-
-def _finite_number(low: float = 0.0, *, allow_low: bool = False, allow_inf: bool = False) -> Callable[[str], float]:
-    """argparse type: a finite number > ``low`` (>= ``low`` with ``allow_low``; +inf too with ``allow_inf``)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        finite = math.isfinite(value) or (allow_inf and value == math.inf)
-        if not finite or value < low or (value == low and not allow_low):
-            what = "a number" if allow_inf else "a finite number"
-            raise argparse.ArgumentTypeError(f"must be {what} {'>=' if allow_low else '>'} {low:g}, got {text!r}")
-        return value
-
-    return parse
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", default=None, metavar="SCENARIO",
@@ -1033,23 +1003,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"groups: {', '.join(g + '=' + '+'.join(v) for g, v in GROUPS.items())}. "
                         "baseline always runs with a 3-client scenario")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "fault_suite"), help="output dir (default runs/fault_suite)")
-    p.add_argument("--rounds", type=_int_at_least(3, " (faults hit round 2, round 3 shows the recovery)"), default=3,
+    p.add_argument("--rounds", type=int_at_least(3, " (faults hit round 2, round 3 shows the recovery)"), default=3,
                    help="rounds of the 3-client runs (faults hit round 2; >= 3)")
-    p.add_argument("--byz-rounds", type=_int_at_least(1), default=2, help="rounds of the Byzantine runs (>= 1)")
-    p.add_argument("--honest", type=_int_at_least(1), default=10, help="honest clients in the Byzantine runs (>= 1)")
-    p.add_argument("--round-timeout", type=_finite_number(), default=600.0, help="run config round-timeout-s (> 0)")
-    p.add_argument("--wait-for-clients", type=_finite_number(allow_low=True), default=300.0,
+    p.add_argument("--byz-rounds", type=int_at_least(1), default=2, help="rounds of the Byzantine runs (>= 1)")
+    p.add_argument("--honest", type=int_at_least(1), default=10, help="honest clients in the Byzantine runs (>= 1)")
+    p.add_argument("--round-timeout", type=number_above(), default=600.0, help="run config round-timeout-s (> 0)")
+    p.add_argument("--wait-for-clients", type=number_above(allow_low=True), default=300.0,
                    help="run config wait-for-clients-s (>= 0)")
-    p.add_argument("--run-timeout", type=_finite_number(), default=1800.0, help="seconds before a flwr run is stopped")
-    p.add_argument("--poll-interval", type=_finite_number(), default=1.0, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
+    p.add_argument("--run-timeout", type=number_above(), default=1800.0, help="seconds before a flwr run is stopped")
+    p.add_argument("--poll-interval", type=number_above(), default=1.0, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
     p.add_argument("--superlink-state", choices=("sqlite", "memory"), default="memory",
                    help="SuperLink state: memory (default; no SQLite 'database is locked' under load, Finding 2) "
                         "or sqlite (the durable state.db)")
-    p.add_argument("--max-load", type=_finite_number(allow_inf=True), default=16.0,
+    p.add_argument("--max-load", type=number_above(allow_inf=True), default=16.0,
                    help="wait before a run while loadavg(1 min) >= this (> 0; inf: never wait)")
-    p.add_argument("--load-wait", type=_finite_number(allow_low=True), default=60.0,
+    p.add_argument("--load-wait", type=number_above(allow_low=True), default=60.0,
                    help="longest wait for the load to drop (s)")
-    p.add_argument("--retries", type=_int_at_least(0), default=1,
+    p.add_argument("--retries", type=int_at_least(0), default=1,
                    help="retries of a scenario after an INFRA failure (>= 0; 0 = run each scenario once)")
     args = p.parse_args(argv)
     selected = list(dict.fromkeys(_expand(args.only) if args.only else DEFAULT))

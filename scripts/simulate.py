@@ -44,7 +44,6 @@ import contextlib
 import datetime
 import fcntl
 import json
-import math
 import os
 import re
 import signal
@@ -59,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python scripts/simulate.py`: for scripts.stop_signals
     sys.path.insert(0, str(ROOT))
+from scripts.arg_types import number_above  # noqa: E402
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 
 FLWR_ENV = {
@@ -568,18 +568,6 @@ def refuse_output_dir(overrides: list[str] | tuple[str, ...], records: str) -> N
                              "directory with --out")
 
 
-def _positive_seconds(text: str) -> float:
-    """argparse type of --timeout-s: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r} (leave it out for "
-                                         "no limit)")
-    return value
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--supernodes", type=int, default=None,
@@ -595,7 +583,7 @@ def main() -> None:
     ap.add_argument("--superlink-timeout", type=float, default=SUPERLINK_START_TIMEOUT,
                     help="seconds the SuperLink this script starts, if Flower's own did not answer within "
                          "Flower's fixed 15 s, gets to answer (default %(default)g)")
-    ap.add_argument("--timeout-s", type=_positive_seconds, default=None,
+    ap.add_argument("--timeout-s", type=number_above(hint=" (leave it out for no limit)"), default=None,
                     help="stop the simulation when a `flwr run` has run this many seconds (each of at most two "
                          "attempts, see above): its processes are stopped and the script exits 1 (default: no limit)")
     args = ap.parse_args()

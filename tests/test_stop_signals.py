@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from scripts import fault_suite
+from scripts import arg_types, fault_suite
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers
 
 
@@ -68,10 +68,10 @@ def test_fault_suite_stops_a_deployment_with_stop_signals_ignored(saved_handlers
 
 
 def test_fault_suite_max_load_takes_inf_but_not_nan_or_zero():
-    parse = fault_suite._finite_number(allow_inf=True)
+    parse = arg_types.number_above(allow_inf=True)
     assert parse("inf") == math.inf and parse("2.5") == 2.5
     for bad in ("nan", "0", "-inf", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
     with pytest.raises(argparse.ArgumentTypeError):
-        fault_suite._finite_number()("inf")  # the other numbers stay finite
+        arg_types.number_above()("inf")  # the other numbers stay finite
