@@ -389,8 +389,12 @@ def _format_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(_hyphen(str(p)) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown run-config key")
+        if e["type"] == "extra_forbidden":  # the key as given: its hyphenated form may be a known key
+            given = ".".join(str(p) for p in e["loc"])
+            if given != key and key in _KEYS:
+                lines.append(f"{given}: given twice, as {given} and as {key}")
+            else:
+                lines.append(f"{given}: unknown run-config key")
         elif not key:  # model-level checks already name their keys
             lines.append(msg)
         elif e["type"] == "value_error":
@@ -398,6 +402,10 @@ def _format_validation_error(err: ValidationError) -> str:
         else:
             lines.append(f"{key}: {msg} (got {e.get('input')!r})")
     return "invalid run config: " + "; ".join(lines)
+
+
+#: the run-config keys (the fields' aliases)
+_KEYS = frozenset(f.alias or n for n, f in RunConfig.model_fields.items())
 
 
 def parse_run_config(raw: Mapping[str, Any], *, ignore_unknown: bool = False) -> RunConfig:

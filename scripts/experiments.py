@@ -14,8 +14,8 @@ requested settings, so an interrupted experiment continues where it stopped; a r
 A finished run of the same name with other settings is refused (every differing key is named) before anything
 runs: choose another ``--suffix``.  The whole plan is checked before its first run starts: every run config is
 validated, two runs may not share a name, and ``-c`` may not set a key the command sets run by run (the noise
-level, the seed, a setting of the method such as its loss, ...).  A batch in which a run fails exits non-zero once the other runs are
-done.  ``report`` aggregates whatever has finished into ``runs/experiments/<experiment>/results.{csv,json}``,
+level, the seed, a setting of the method such as its loss, ...).  A batch in which a run fails, or exits 0 before
+its planned rounds, exits non-zero once the other runs are done.  ``report`` aggregates whatever has finished into ``runs/experiments/<experiment>/results.{csv,json}``,
 ``table.md`` and PNG plots in ``docs/img/``; each cell counts distinct seeds, and runs of the same settings,
 noise and seed get separate rows, never one mean; runs that ended early or never ended are listed under the
 tables, not averaged in.
@@ -233,17 +233,18 @@ def per_run_overrides(runs: list[Run], overrides: dict[str, object]) -> list[str
     for m in dict.fromkeys(r.method for r in runs):
         for k, v in METHODS[m].items():
             method_keys.setdefault(k, []).append(f"{m}: {_toml(v)}")
-    for key, value in overrides.items():
+    for given, value in overrides.items():
+        key = given.replace("_", "-")  # the run config also takes the fields' names (label_noise for label-noise)
         planned = sorted({json.dumps(r.config.get(key)) for r in runs})
         if key in options:
-            out.append(f"-c {key}={_toml(value)}: {key} is set run by run by {options[key]} "
+            out.append(f"-c {given}={_toml(value)}: {key} is set run by run by {options[key]} "
                        f"(here {' / '.join(planned)}); use {options[key]}")
         elif key in method_keys:
-            out.append(f"-c {key}={_toml(value)}: {key} is a setting of the method chosen by --methods "
+            out.append(f"-c {given}={_toml(value)}: {key} is a setting of the method chosen by --methods "
                        f"({'; '.join(method_keys[key])}), which the runs' names and labels stand for")
         elif len(planned) > 1:
             unset = ", null = not set: the default" if "null" in planned else ""
-            out.append(f"-c {key}={_toml(value)}: {key} differs between the planned runs ({' / '.join(planned)}"
+            out.append(f"-c {given}={_toml(value)}: {key} differs between the planned runs ({' / '.join(planned)}"
                        f"{unset}), e.g. by --methods; every run would get the same value. Run the runs that should "
                        "get it in a command of their own")
     return out
@@ -320,6 +321,10 @@ def execute(run: Run, dry_run: bool = False) -> int:
     with (run.out / "log.txt").open("w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     print(f"[done] {run.name}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
+    if rc == 0 and (reason := unfinished_reason(run.out)) is not None:
+        # e.g. an asynchronous run at its deadline, or every client failed: it ends cleanly but is not done
+        print(f"[short] {run.name}: exit 0 but {reason}", flush=True)
+        rc = 1
     if rc != 0:
         print(f"       see {run.out / 'log.txt'}", flush=True)
     return rc
@@ -751,6 +756,8 @@ def main(argv: list[str] | None = None) -> None:
                     raise ValueError("expected key=value")
                 extra[k.strip()] = tomllib.loads(f"v = {v}")["v"]
             except (ValueError, tomllib.TOMLDecodeError) as err:
+                if re.search(r"\s[A-Za-z_][\w-]*\s*=", v):
+                    ap.error(f"-c {kv!r}: one key=value per -c (e.g. -c lr=0.1 -c seed=2)")
                 ap.error(f"-c {kv!r}: {err} (a TOML value: strings quoted, e.g. -c 'loss=\"gce\"')")
         # the whole plan is checked before any run starts, so that a batch never stops half-way
         _refuse(per_run_overrides(runs, extra), "-c override(s) of what this command sets run by run")
@@ -764,8 +771,8 @@ def main(argv: list[str] | None = None) -> None:
                 "or move those runs away")
         failed = [run.name for run in runs if execute(run, dry_run=args.dry_run)]
         if failed:
-            raise SystemExit(f"{len(failed)} of {len(runs)} run(s) failed: {', '.join(failed)}; see each run's "
-                             "log.txt. The other runs are done.")
+            raise SystemExit(f"{len(failed)} of {len(runs)} run(s) failed or ended early: {', '.join(failed)}; see "
+                             "each run's log.txt. The other runs are done.")
         return  # several lanes may run at once: only `report` writes the tables and plots
     if args.cmd == "rescore":
         for exp in ("fmnist_noise", "fmnist_noniid"):

@@ -389,3 +389,15 @@ def test_numbers_keep_their_lax_conversions():
     assert (cfg.num_server_rounds, cfg.batch_size, cfg.lr, cfg.damping, cfg.max_staleness, cfg.hidden) == \
         (5, 3, 1.0, 1, 2, "200")
     assert isinstance(cfg.num_server_rounds, int) and isinstance(cfg.lr, float)
+
+
+def test_a_key_given_in_both_spellings_and_an_unknown_underscore_key_are_named_as_given():
+    """The model takes field names (label_noise) besides the run-config keys (label-noise). Given both, pydantic
+    keeps the key and forbids the name; the error said "label-noise: unknown run-config key", a known key."""
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config({"label-noise": 0.1, "label_noise": 0.2})
+    assert str(exc.value) == ("invalid run config: label_noise: given twice, as label_noise and as label-noise")
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config({"no_such_key": 1})
+    assert str(exc.value) == "invalid run config: no_such_key: unknown run-config key"
+    assert parse_run_config({"label_noise": 0.2}).label_noise == 0.2  # one spelling alone stays accepted

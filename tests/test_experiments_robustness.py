@@ -85,7 +85,7 @@ def test_a_failed_run_makes_the_batch_exit_non_zero_after_the_other_runs(tmp_pat
     monkeypatch.setattr(E, "RUNS", tmp_path / "runs")
     calls: list[str] = []
     monkeypatch.setattr(E.subprocess, "call", _stand_in(calls, rc={"pvi-noise40-seed0": 1}))
-    with pytest.raises(SystemExit, match=r"1 of 2 run\(s\) failed: pvi-noise40-seed0;") as exc:
+    with pytest.raises(SystemExit, match=r"1 of 2 run\(s\) failed or ended early: pvi-noise40-seed0;") as exc:
         E.main(["fmnist-noise", "--noise", "0.4", "--seeds", "0", "1", "--methods", "pvi"])
     assert exc.value.code not in (0, None)
     assert calls == ["pvi-noise40-seed0", "pvi-noise40-seed1"]  # the batch went on after the failure
@@ -222,3 +222,43 @@ def test_run_experiments_sh_exits_non_zero_naming_a_failed_command_after_running
     assert res.returncode == 1, res.stderr
     assert "exit 3: scripts/experiments.py fmnist-noise --noise 0.4 --seeds 0 --methods gvi1 vi1" in res.stderr
     assert res.stderr.count("exit ") == 1
+
+
+# ------------------------------------------------------------------------------------- stop 30
+def test_a_run_that_exits_0_before_its_planned_rounds_fails_the_batch(tmp_path, monkeypatch, capsys):
+    """An asynchronous run at its deadline, or one whose clients all failed, writes summary.json and exits 0 after
+    fewer rounds than planned. Before, the batch exited 0 as if every run were done (only a rerun said "[redo]")."""
+    monkeypatch.setattr(E, "RUNS", tmp_path / "runs")
+    calls: list[str] = []
+    complete = _stand_in(calls)
+
+    def short_first(cmd, **kw):
+        rc = complete(cmd, **kw)
+        out = Path(cmd[cmd.index("--out") + 1])
+        if out.name == "pvi-noise40-seed0":  # keep the prior's row and round 1 only
+            rows = (out / "metrics.jsonl").read_text().splitlines()[:2]
+            (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+        return rc
+
+    monkeypatch.setattr(E.subprocess, "call", short_first)
+    with pytest.raises(SystemExit, match=r"1 of 2 run\(s\) failed or ended early: pvi-noise40-seed0;"):
+        E.main(["fmnist-noise", "--noise", "0.4", "--seeds", "0", "1", "--methods", "pvi"])
+    assert calls == ["pvi-noise40-seed0", "pvi-noise40-seed1"]
+    assert "pvi-noise40-seed0: exit 0 but stopped after round 1 of 10" in capsys.readouterr().out
+
+
+def test_several_pairs_in_one_c_are_told_to_use_one_c_each(calls, capsys):
+    with pytest.raises(SystemExit) as exc:
+        E.main(["fmnist-noise", "--noise", "0.4", "--seeds", "0", "--methods", "pvi", "-c", "lr=0.1 seed=2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "one key=value per -c" in err and "strings quoted" not in err, err
+    assert calls == []
+
+
+def test_an_underscore_spelling_of_a_key_set_run_by_run_is_refused_as_that_key(calls, capsys):
+    """``-c label_noise=0.2``: the run config takes field names too, so it was not seen as the --noise key; the
+    error then named "label-noise" as an unknown key."""
+    with pytest.raises(SystemExit, match="sets run by run; nothing was run"):
+        E.main(["fmnist-noise", "--noise", "0.4", "--methods", "pvi", "-c", "label_noise=0.2"])
+    assert "-c label_noise=0.2: label-noise is set run by run by --noise" in capsys.readouterr().err
+    assert calls == []
