@@ -280,12 +280,19 @@ class RunConfig(BaseModel):
         if self.model in REGRESSION_MODELS and self.dataset not in REGRESSION_DATASETS:
             errors.append(f"dataset: model '{self.model}' needs real-valued targets "
                           f"({' or '.join(REGRESSION_DATASETS)}); '{self.dataset}' is a classification dataset")
+        if self.model == "linear_regression" and self.dataset == "synthetic_gaussian_location":
+            errors.append("dataset: model 'linear_regression' needs covariates; 'synthetic_gaussian_location' has "
+                          "none (use synthetic_linear_regression, or model gaussian_location)")
         if self.model in ("logistic_regression", "bnn") and self.dataset in REGRESSION_DATASETS:
             errors.append(f"dataset: model '{self.model}' is a classifier; '{self.dataset}' has real-valued targets")
         if self.real_valued_targets and self.partitioner in LABEL_PARTITIONERS:
             errors.append(f"partitioner: '{self.partitioner}' splits by class; '{self.dataset}' has real-valued "
                           "targets (use 'iid' or 'size_skew')")
         errors.extend(self._prior_errors())
+        tiny = _FLOAT_RANGE[self.dtype][0]
+        if self.model in REGRESSION_MODELS and not tiny**0.5 <= self.likelihood_sigma <= tiny**-0.5:
+            errors.append(f"likelihood-sigma: with dtype {self.dtype} sigma^2 and its inverse must be normal floats, "
+                          f"i.e. sigma within [{tiny**0.5:.4g}, {tiny**-0.5:.4g}], got {self.likelihood_sigma:g}")
         if self.family == "full_covariance" and self.model == "bnn":
             errors.append("family: a BNN needs family 'mean_field'")
         if self.schedule != "synchronous":

@@ -151,12 +151,15 @@ class ScaledLoss(Loss):
             raise ValueError(f"{base.name}: loss weight must be > 0, got {w}")
         if isinstance(base, ScaledLoss):
             base, w = base.base, base.weight * w
+            if not (math.isfinite(w) and w > 0):  # each factor was checked; their product can still be 0 or inf
+                raise ValueError(f"{base.name}: loss weight must be a finite number > 0, got {w} "
+                                 "(the product of the nested weights)")
         self.base, self.weight = base, w
         self.name = base.name  # type: ignore[misc]  # instance attribute shadows the ClassVar on purpose
         self.needs_reference = base.needs_reference  # type: ignore[misc]
 
     def hyperparameters(self) -> dict[str, object]:
-        return {**self.base.hyperparameters(), "weight": self.weight}
+        return {**self.base.hyperparameters(), "loss_weight": self.weight}  # score matching has its own "weight"
 
     def __call__(self, out: LikelihoodOutput, y: Tensor, reference: LikelihoodOutput | None = None) -> Tensor:
         return self.weight * self.base(out, y, reference=reference)
@@ -413,8 +416,7 @@ class ScoreMatchingLoss(Loss):
         sigma = getattr(model, "sigma", None)
         if sigma is None:
             return None  # not a Gaussian model
-        if y.dim() == 1:
-            y = y.unsqueeze(-1)
+        y = model._targets(y)  # the shape check the NLL's quadratic makes, before the residual broadcasts
         if reference_theta is None:
             if self.weight != "constant":
                 raise ValueError("score_matching with a non-constant weight needs reference_theta (the cavity mean)")

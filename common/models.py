@@ -195,14 +195,17 @@ class LinearGaussianModel(LikelihoodModel):
             )
         a = self.design(x, n, y.dtype)
         s2 = self.sigma**2
-        w2 = w * w
-        precision = torch.einsum("b,bik,bil->kl", 2.0 * w2 / (s2 * s2), a, a)
-        target = (2.0 * w2 / (s2 * s2)).unsqueeze(-1) * y - (4.0 * w / s2).unsqueeze(-1) * grad_w  # (n, D)
+        # (w / sigma^2)^2, not w^2 / sigma^4: sigma^4 leaves float32's range for sigma > 4.3e9 (and is subnormal
+        # below 3e-10), which made the precision 0 (the cavity came back) where w / sigma^2 is an ordinary number
+        u = w / s2
+        u2 = u * u
+        precision = torch.einsum("b,bik,bil->kl", 2.0 * u2, a, a)
+        target = (2.0 * u2).unsqueeze(-1) * y - (4.0 * u).unsqueeze(-1) * grad_w  # (n, D)
         shift = torch.einsum("bik,bi->k", a, target)
         const = (
-            (w2 * (y * y).sum(-1)).sum() / (s2 * s2)
-            - 4.0 * (w * (grad_w * y).sum(-1)).sum() / s2
-            - 2.0 * d_out * w2.sum() / s2
+            (u2 * (y * y).sum(-1)).sum()
+            - 4.0 * (u * (grad_w * y).sum(-1)).sum()
+            - 2.0 * d_out * (w * u).sum()
         )
         return QuadraticLoss(precision, shift, const, name="theta")
 

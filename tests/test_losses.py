@@ -442,7 +442,7 @@ def test_scaled_loss_is_weight_times_base(name, hyper):
     # scaling twice composes into one weight
     twice = ScaledLoss(ScaledLoss(base, 2.0), 3.0)
     assert twice.weight == 6.0 and twice.base is base
-    assert scaled.hyperparameters() == {**base.hyperparameters(), "weight": 10.0}
+    assert scaled.hyperparameters() == {**base.hyperparameters(), "loss_weight": 10.0}
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "2"])
