@@ -29,7 +29,9 @@ nonetheless executed twice yields two Deltas against the same site version, and 
 applied reply's ``update-tag`` becomes the client's ledger tag (``ledger_tags``, checkpointed), sent with its next
 messages as ``site-tag``, so the client commits only the update the ledger applied (``common.client_state``).
 Duplicates and version mismatches are rejected without counting towards ``max-bad-replies`` (they are not
-misbehaviour); invalid content (non-finite, wrong shape, improper, a false client id) does count.
+misbehaviour); invalid content (non-finite, wrong shape, improper) does count, once per message it answers. A reply
+whose client id is not the one its node gave is not charged either: the node is asked for its identity again (a
+SuperNode restarted with another ``client-id`` keeps its node id under SuperNode authentication).
 
 Nodes are identified by a ``query`` message; the ``client-id`` a node answers must be a printable string of at
 most 128 characters (:func:`strategies.codec.client_id_problem`: it keys the ledger and names the client's arrays in
@@ -643,12 +645,19 @@ class PGVIStrategy(Strategy):
         self.done_in_round = set()
         self._checkpoint()
 
-    def _count_timeouts(self, rnd: int, sent: int, replies: list[Message], stats: RoundStats) -> None:
+    def _count_timeouts(self, rnd: int, sent: int, replies: list[Message] | None, stats: RoundStats) -> list[Message]:
+        """Count the ``sent`` messages without a reply as failures and return the replies (``None``: nothing could be
+        pushed, and :meth:`_runtime` has already named the Runtime API's failure as the last reason)."""
+        if replies is None:
+            stats.failed += sent
+            log(WARNING, "round %d: %d message(s) could not be pushed; those clients keep their old sites", rnd, sent)
+            return []
         missing = sent - len({m.metadata.reply_to_message_id for m in replies})  # a duplicate hides no timeout
         if missing > 0:
             stats.failed += missing
             self._last_failure = f"{missing} client(s) did not reply within round-timeout-s"
             log(WARNING, "round %d: %d client(s) did not reply in time; they keep their old sites", rnd, missing)
+        return replies
 
     @staticmethod
     def _all_failed(stats: RoundStats) -> bool:
@@ -731,8 +740,8 @@ class PGVIStrategy(Strategy):
                            after_push: Callable[[], None] | None = None) -> None:
         msgs = list(self.configure_train(rnd, self._current_record(), ConfigRecord(), grid))
         stats.sent += len(msgs)
-        replies = self._send_and_receive(grid, msgs, timeout, stats, after_push)
-        self._count_timeouts(rnd, len(msgs), replies, stats)
+        replies = self._count_timeouts(rnd, len(msgs), self._send_and_receive(grid, msgs, timeout, stats, after_push),
+                                       stats)
         failed_nodes: set[int] = set()
         applied = stats.applied
         with stats.timed("apply"):
@@ -753,8 +762,8 @@ class PGVIStrategy(Strategy):
                 continue
             stats.sent += 1
             failed, applied = stats.failed, stats.applied
-            replies = self._send_and_receive(grid, [self._train_message(node, rnd)], timeout, stats)
-            self._count_timeouts(rnd, 1, replies, stats)
+            replies = self._count_timeouts(
+                rnd, 1, self._send_and_receive(grid, [self._train_message(node, rnd)], timeout, stats), stats)
             self.done_in_round.add(cid)
             with stats.timed("apply"):
                 self._apply_batch(rnd, self._decode_replies(rnd, replies, stats), stats)
@@ -784,7 +793,13 @@ class PGVIStrategy(Strategy):
         A node whose message failed (an error reply, a failed push, a timeout) is sent its next message only after
         a back-off (``resend_first`` seconds, doubling per further failure up to ``resend_max``; any other outcome
         resets it): a client that fails at once would otherwise be re-sent at every poll and fill the remaining
-        rounds with its failures while a healthy client's update is still being computed."""
+        rounds with its failures while a healthy client's update is still being computed.
+
+        A message times out when a pull made more than ``round-timeout-s`` after its push finds no reply to it (a
+        reply that arrived while the server was closing a round is pulled first). The run as a whole waits for its
+        clients at most ``round-timeout-s`` x ``num-server-rounds`` (the server's own work, closing rounds and
+        waiting for clients to connect, is not counted): at that deadline it ends with a warning, as a run with fewer
+        rounds completed than planned (``rounds-completed`` in the summary), not as a failure."""
         per_round = max(1, len(self._known_nodes(grid)))  # outcomes that close the round: one per usable client
         inflight: dict[str, tuple[int, float, int]] = {}  # message id -> (node id, sent time, posterior version)
         busy: set[int] = set()
@@ -807,23 +822,29 @@ class PGVIStrategy(Strategy):
             resend_at[node] = (time.time() + backoff.next_wait(), backoff)
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
-            nonlocal resolved, per_round
+            nonlocal resolved, per_round, deadline
             if rnd > num_rounds or resolved < per_round:
                 return rnd, stats
+            started = time.time()
             resolved = 0
             result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
             self._close_round(rnd, stats, grid, result, do_client_eval=False)
             self._check_async_progress(rnd, {self.node_client[n] for n in usable if n in self.node_client})
             if rnd < num_rounds:  # the next round opens: its size is the number of usable clients now
                 per_round = max(1, len(self._known_nodes(grid)))
+            deadline += time.time() - started  # the server's own work (evaluation, record, checkpoint, queries)
             return rnd + 1, RoundStats()
 
         while rnd <= num_rounds:
             if time.time() > deadline:
-                log(WARNING, "asynchronous schedule: overall deadline reached at round %d", rnd)
+                log(WARNING, "asynchronous schedule: overall deadline (round-timeout-s x num-server-rounds = %gs of "
+                    "waiting for clients) reached in round %d of %d: the run ends early", timeout * num_rounds, rnd,
+                    num_rounds)
                 break
             if not inflight:
+                started = time.time()
                 self._await_clients(grid, rnd)
+                deadline += time.time() - started
             usable = self._sample_nodes(grid, fraction=1.0)
             now = time.time()
             free = [n for n in usable if n not in busy and resend_at.get(n, (0.0,))[0] <= now]
@@ -848,6 +869,7 @@ class PGVIStrategy(Strategy):
             if free:
                 poll.reset()
             replies = []
+            pulled_at = time.time()  # a message times out only if a pull this long after its push found no reply
             if inflight:
                 with stats.timed("wait"):
                     replies = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(inflight))),
@@ -863,7 +885,7 @@ class PGVIStrategy(Strategy):
                         self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
                     continue
                 failed, applied = stats.failed, stats.applied
-                for d in self._decode_replies(rnd, [reply], stats):
+                for d in self._decode_replies(rnd, [reply], stats, charge=sent_version >= 0):
                     if sent_version < 0:  # not a reply to a message in flight
                         self._reject(rnd, d.client_id, d.node_id, "reply to no message in flight", stats, bad=False)
                         continue
@@ -882,15 +904,14 @@ class PGVIStrategy(Strategy):
                 if sent_version >= 0:  # the outcome of a message in flight (not a duplicate)
                     outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
                 rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
-            now = time.time()
             for mid, (node, sent, _) in list(inflight.items()):
-                if now - sent > timeout:
+                if pulled_at - sent > timeout:
                     inflight.pop(mid)
                     busy.discard(node)
                     stats.failed += 1
                     resolved += 1
                     outcome(node, failed=True)
-                    log(WARNING, "client on node %d timed out after %.0fs; it keeps its old site", node, timeout)
+                    log(WARNING, "client on node %d timed out after %.3gs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)
             if replies:
                 poll.reset()
@@ -950,7 +971,7 @@ class PGVIStrategy(Strategy):
             Message(content=RecordDict({P.CONFIG: ConfigRecord({"request": "identity"})}), dst_node_id=n, message_type=MessageType.QUERY)
             for n in unknown
         ]
-        for reply in self._send_and_receive(grid, msgs, timeout):
+        for reply in self._send_and_receive(grid, msgs, timeout) or []:
             if reply.has_error():  # e.g. the node's config is refused (client/node_request.py): say so, once a query
                 self._last_failure = _last_line(reply.error.reason)
                 log(WARNING, "identity query to node %d failed (asked again after a backoff): %s",
@@ -1107,12 +1128,15 @@ class PGVIStrategy(Strategy):
                 m.metadata.__dict__["_src_node_id"] = dst
 
     def _collect(self, grid: Grid, sent_to: dict[str, int], timeout: float) -> list[Message]:
-        """Pull the replies to the messages ``sent_to`` (message id -> node id) until all arrived or ``timeout``."""
+        """Pull the replies to the messages ``sent_to`` (message id -> node id) until all arrived or ``timeout``; at
+        least once, so that a reply already in is never counted as a timeout (e.g. the push itself took the time)."""
         ids = set(sent_to)
         out: list[Message] = []
         end = time.time() + timeout
         poll = self._reply_poll()
-        while ids and time.time() < end:
+        first = True
+        while ids and (first or time.time() < end):
+            first = False
             got = self._runtime("pull-messages", lambda: list(grid.pull_messages(list(ids))), end)
             if got is None:
                 break
@@ -1137,13 +1161,15 @@ class PGVIStrategy(Strategy):
         growing by :data:`RESEND_FACTOR` up to ``resend_max``."""
         return GeometricBackoff(self.resend_first, self.resend_max, RESEND_FACTOR)
 
-    def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float,
-                          stats: RoundStats | None = None, after_push: Callable[[], None] | None = None) -> list[Message]:
+    def _send_and_receive(self, grid: Grid, msgs: list[Message], timeout: float, stats: RoundStats | None = None,
+                          after_push: Callable[[], None] | None = None) -> list[Message] | None:
         """Like ``Grid.send_and_receive`` but polling with :meth:`_reply_poll`'s back-off (the HTTP grid polls every 3 s).
 
-        Pushing and pulling share the ``timeout``; messages that could not be pushed in time get no reply.
+        Pushing and pulling share the ``timeout``; ``None`` when the messages could not be pushed within it.
         With ``stats``, the push and the wait for the replies are timed as its ``push`` and ``wait`` phases.
-        ``after_push`` is called once the push has been attempted (also when there is nothing to push).
+        ``after_push`` is called once the push has been attempted (also when there is nothing to push); the time it
+        takes (the server's own work, e.g. the previous round's pipelined evaluation and checkpoint) is added to the
+        replies' time, not taken from it.
         """
         if not msgs:
             if after_push is not None:
@@ -1154,9 +1180,11 @@ class PGVIStrategy(Strategy):
         with stats.timed("push"):
             ids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)), end)
         if after_push is not None:
+            started = time.time()
             after_push()
+            end += time.time() - started
         if ids is None:
-            return []
+            return None
         with stats.timed("wait"):
             return self._collect(grid, {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs)}, end - time.time())
 
@@ -1195,14 +1223,18 @@ class PGVIStrategy(Strategy):
         self._checkpoint()
 
     def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats,
-                        failed_nodes: set[int] | None = None) -> list[Reply]:
+                        failed_nodes: set[int] | None = None, charge: bool = True) -> list[Reply]:
         """Decode and check train replies (not yet applied); the nodes whose reply is a failure (an error or a
-        ``failed`` status) are added to ``failed_nodes``."""
+        ``failed`` status) are added to ``failed_nodes``.  An invalid reply counts towards its client's
+        max-bad-replies once per message it answers (a copy delivered twice is one bad reply), and not at all
+        without ``charge`` (asynchronous: a reply to no message in flight)."""
         out: list[Reply] = []
         seen: set[str] = set()
+        charged: set[str] = set()  # the messages whose reply was already counted as a bad one
         for msg in replies:
             node = msg.metadata.src_node_id
             cid = self.node_client.get(node, f"<node {node}>")
+            answers = msg.metadata.reply_to_message_id
             if msg.has_error():
                 stats.failed += 1
                 if failed_nodes is not None:
@@ -1227,7 +1259,13 @@ class PGVIStrategy(Strategy):
                     raise PGVIError(f"status must be a string, got a {type(status).__name__}")
                 reported = cfg.get("client-id", "")
                 if reported != "" and reported != cid:
-                    raise PGVIError(f"reply claims client id {_short(reported)} but node {node} is '{cid}'")
+                    # a node whose client-id changed (a restart with another node config keeps the node id under
+                    # SuperNode authentication): not misbehaviour of the old client; the node is identified again
+                    self.node_client.pop(node, None)
+                    self._requery.pop(node, None)
+                    self._reject(rnd, cid, node, f"reply claims client id {_short(reported)} but node {node} was "
+                                 f"'{cid}': the node is asked who it is", stats, bad=False)
+                    continue
                 if status == P.STATUS_RESYNC:
                     stats.resync += 1
                     self.resync.add(cid)
@@ -1272,10 +1310,12 @@ class PGVIStrategy(Strategy):
                 out.append(Reply(node, cid, delta, base, sent, metrics, record.count_bytes(), tag=tag))
                 seen.add(cid)
             except PGVIError as err:
-                self._reject(rnd, cid, node, str(err), stats)
+                self._reject(rnd, cid, node, str(err), stats, bad=charge and answers not in charged)
+                charged.add(answers)
             except Exception as err:  # malformed content must never crash the server
                 self._reject(rnd, cid, node, f"malformed reply: {type(err).__name__}: {_reply_text(str(err), 300)}",
-                             stats)
+                             stats, bad=charge and answers not in charged)
+                charged.add(answers)
         return out
 
     @staticmethod
@@ -1436,7 +1476,7 @@ class PGVIStrategy(Strategy):
         if do_client_eval and self.cfg.evaluate_clients:
             with stats.timed("client-evaluate"):
                 msgs = list(self.configure_evaluate(rnd, self._current_record(), ConfigRecord(), grid))
-                agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s))
+                agg = self.aggregate_evaluate(rnd, self._send_and_receive(grid, msgs, self.cfg.round_timeout_s) or [])
             if agg is not None:
                 result.evaluate_metrics_clientapp[rnd] = agg
                 extra.update({k: float(v) for k, v in agg.items()})

@@ -43,8 +43,8 @@ def test_duplicated_replies_never_exclude_an_honest_client(schedule):
         assert all(np.allclose(site[k], ledger[k], rtol=0, atol=1e-12) for k in ledger), cid
 
 
-def _second_reply_claiming(other_id: str, victim: str = "site-1"):
-    """After the victim's valid reply, deliver a copy that claims another client's id (a bad reply)."""
+def _second_reply_with_unknown_status(victim: str = "site-1"):
+    """After the victim's valid reply, deliver a copy of it with an unknown status (a bad reply)."""
 
     def hook(request: Message, reply: Message) -> list[Message]:
         if request.metadata.message_type != "train" or reply.has_error():
@@ -52,7 +52,7 @@ def _second_reply_claiming(other_id: str, victim: str = "site-1"):
         if str(reply.content[P.CONFIG].get("client-id")) != victim:
             return [reply]
         cfg = dict(reply.content[P.CONFIG])
-        cfg["client-id"] = other_id
+        cfg["status"] = "bogus"
         content = RecordDict({P.CONFIG: ConfigRecord(cfg), P.DELTA: reply.content[P.DELTA]})
         forged = Message(content=content, reply_to=request)
         forged.metadata.__dict__["_src_node_id"] = reply.metadata.src_node_id
@@ -63,10 +63,10 @@ def _second_reply_claiming(other_id: str, victim: str = "site-1"):
 
 def test_client_excluded_within_a_batch_has_none_of_it_applied():
     over = {"schedule": "synchronous", "num-server-rounds": 3, "max-bad-replies": 1, "exclusion-removes-site": True}
-    cfg, strategy, _ = run(over, reply_hook=_second_reply_claiming("site-0"))
+    cfg, strategy, _ = run(over, reply_hook=_second_reply_with_unknown_status())
     assert strategy.bad_replies == {"site-1": 1}
     reasons = [str(r["reason"]) for r in strategy.rejections if r["client-id"] == "site-1"]
-    assert any("claims client id" in r for r in reasons) and any("client excluded" in r for r in reasons)
+    assert any("unknown status" in r for r in reasons) and any("client excluded" in r for r in reasons)
     # before the fix the valid first reply of round 1 was applied after the exclusion: site-1 at version 1
     assert strategy.ledger_versions == {"site-0": 3, "site-1": 0, "site-2": 3}
     assert all(float(v.abs().max()) == 0.0 for v in strategy.state.sites["site-1"].params.values())

@@ -1,0 +1,169 @@
+"""Stop-30 review of the schedules' timing and of reply accounting, each against the real ClientApp through the
+in-process Grid (each test failed on the code before its fix):
+
+(1) synchronous with ``pipeline-evaluation``: the previous round's evaluation, record and checkpoint, done after
+    the push, were taken from the replies' round-timeout-s, and no pull was made once it was spent, so replies
+    already in were counted as timeouts and the run stopped ("all 3 client messages failed");
+(2) asynchronous: a message was timed out by the clock after the server's own work, without a pull, though its
+    reply was waiting; and the server's work counted against the run's deadline (round-timeout-s x rounds), which
+    ended healthy runs early;
+(3) one invalid reply delivered twice counted as two bad replies (and, asynchronously, a reply to no message in
+    flight was charged before being recognised as one);
+(4) when every push failed, the stop reason said the clients had not replied in time;
+(5) a node that kept its node id but came back with another client-id was never identified again, and each of
+    its replies was charged to the old client as a bad reply.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from common import protocol as P
+from strategies.pgvi import AllClientsFailed
+from strategies.reference import expected_posterior, max_natural_diff
+from tests.test_schedules_review import _RecGrid, _rows, _setup
+from tests.wire import record_arrays, set_record_arrays
+
+
+def _slow_evaluation(seconds: float):
+    def evaluate(posterior):
+        time.sleep(seconds)
+        return {"x": 0.0}
+    return evaluate
+
+
+class _ReadyAfter(_RecGrid):
+    """A reply becomes visible ``delay[client-id]`` seconds after its push."""
+
+    def __init__(self, *args, delay: dict[str, float] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay, self.ready_at = delay or {}, {}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        before = set(self._replies)
+        ids = super().push_messages(messages)
+        for key in set(self._replies) - before:
+            cid = self.contexts[self._replies[key].metadata.src_node_id].node_config.get("client-id")
+            self.ready_at[key] = time.time() + self.delay.get(cid, 0.0)
+        return ids
+
+    def pull_messages(self, message_ids):
+        wanted, now = set(message_ids), time.time()
+        ready = [k for k in self._replies if k.split("#")[0] in wanted and self.ready_at.get(k, 0.0) <= now]
+        return [self._replies.pop(k) for k in ready]
+
+
+def _exact(cfg, strategy) -> float:
+    return max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions))
+
+
+# ============================================================================================ (1)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_previous_rounds_evaluation_does_not_eat_the_replies_timeout(pipeline):
+    cfg, strategy, grid = _setup({"num-server-rounds": 4, "round-timeout-s": 0.3, "pipeline-evaluation": pipeline},
+                                 server_evaluate=_slow_evaluation(0.45))
+    strategy.start(grid)
+    assert [(r["sent"], r["applied"], r["failed"]) for r in _rows(strategy)] == [(3, 3, 0)] * 4
+    assert strategy.ledger_versions == {f"site-{m}": 4 for m in range(3)} and not grid._replies
+    assert _exact(cfg, strategy) < 1e-9
+
+
+def test_a_reply_already_in_is_pulled_even_when_the_push_took_the_whole_timeout():
+    class SlowPush(_RecGrid):
+        def push_messages(self, messages):
+            ids = super().push_messages(messages)
+            time.sleep(0.35)
+            return ids
+
+    cfg, strategy, grid = _setup({"schedule": "sequential", "num-server-rounds": 2, "round-timeout-s": 0.3},
+                                 grid_cls=SlowPush)
+    strategy.start(grid)
+    assert [(r["applied"], r["failed"]) for r in _rows(strategy)] == [(3, 0)] * 2
+
+
+# ============================================================================================ (2)
+def test_asynchronous_ready_replies_are_pulled_before_their_messages_time_out():
+    cfg, strategy, grid = _setup({"schedule": "asynchronous", "num-server-rounds": 4, "round-timeout-s": 0.3,
+                                  "damping": 0.5}, grid_cls=_ReadyAfter, server_evaluate=_slow_evaluation(0.45),
+                                 resend_first=0.01, resend_max=0.02)
+    grid.delay = {"site-2": 0.05}
+    strategy.start(grid)
+    assert [r["failed"] for r in _rows(strategy)] == [0] * 4
+    assert strategy.round_completed == 4 and _exact(cfg, strategy) < 1e-9
+
+
+def test_asynchronous_deadline_does_not_count_the_servers_own_work():
+    cfg, strategy, grid = _setup({"schedule": "asynchronous", "num-server-rounds": 6, "round-timeout-s": 0.5,
+                                  "damping": 0.5}, server_evaluate=_slow_evaluation(0.6))
+    strategy.start(grid)  # 6 x 0.6 s of evaluation > the 3-s budget for waiting on clients
+    assert strategy.round_completed == 6 and sum(r["failed"] for r in _rows(strategy)) == 0
+
+
+# ============================================================================================ (3)
+def _bad_reply_twice(kind: str):
+    done = {"n": 0}
+
+    def hook(request, reply):
+        if request.metadata.message_type != "train" or reply.has_error() or done["n"]:
+            return [reply]
+        if reply.content[P.CONFIG].get("client-id") != "site-1":
+            return [reply]
+        done["n"] += 1
+        delta = record_arrays(reply, P.DELTA)
+        key = next(k for k in delta if k.startswith("eta2"))
+        delta[key][...] = 1e6 if kind == "improper" else np.nan
+        set_record_arrays(reply.content, P.DELTA, delta)
+        return [reply, reply]  # one bad reply, delivered twice
+
+    return hook
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "asynchronous"])
+@pytest.mark.parametrize("kind", ["nan", "improper"])
+def test_one_bad_reply_delivered_twice_is_one_bad_reply(schedule, kind):
+    cfg, strategy, grid = _setup({"schedule": schedule, "num-server-rounds": 3, "max-bad-replies": 2},
+                                 reply_hook=_bad_reply_twice(kind))
+    strategy.start(grid)
+    assert strategy.bad_replies == {"site-1": 1} and not strategy._excluded("site-1")
+    assert _exact(cfg, strategy) < 1e-9
+
+
+# ============================================================================================ (4)
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
+def test_when_every_push_fails_the_stop_reason_names_the_push(schedule):
+    class PushFails(_RecGrid):
+        def push_messages(self, messages):
+            messages = list(messages)
+            if any(m.metadata.message_type == "train" for m in messages):
+                raise httpx.ConnectError("connection refused (injected)")
+            return super().push_messages(messages)
+
+    cfg, strategy, grid = _setup({"schedule": schedule, "num-server-rounds": 2, "round-timeout-s": 0.2},
+                                 grid_cls=PushFails, retry_backoff=0.05)
+    with pytest.raises(AllClientsFailed) as exc:
+        strategy.start(grid)
+    assert "push-messages kept failing" in str(exc.value) and "did not reply" not in str(exc.value)
+
+
+# ============================================================================================ (5)
+def test_a_node_that_comes_back_with_another_client_id_is_identified_again_and_nobody_is_charged():
+    cfg, strategy, grid = _setup({"num-server-rounds": 5, "max-bad-replies": 1, "exclusion-removes-site": True})
+
+    def rename_after_round_2(rnd, row):
+        if rnd == 2:
+            node = next(n for n, c in grid.contexts.items() if c.node_config["client-id"] == "site-0")
+            config = dict(grid.contexts[node].node_config, **{"client-id": "site-0-renamed"})
+            grid.contexts[node] = Context(1, node, config, RecordDict(), grid.run_config)  # same node id
+
+    strategy.on_round_end = rename_after_round_2
+    strategy.start(grid)
+    assert strategy.bad_replies == {}
+    assert sorted(strategy.node_client.values()) == ["site-0-renamed", "site-1", "site-2"]
+    assert strategy.ledger_versions["site-0"] == 2 and strategy.ledger_versions["site-0-renamed"] >= 2
+    assert strategy.state.check_invariant() < 1e-12  # (the renamed node's data now stands behind two sites)
