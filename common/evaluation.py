@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ def evaluate_posterior(
     it is ``sqrt(D)`` times the per-coordinate RMSE); ``y`` is ``(B, D)``, or ``(B,)`` for ``D = 1``, and a
     mismatch raises :class:`~common.errors.ShapeMismatchError`.
     """
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or n_samples < 1:
+        raise ValueError(f"evaluate_posterior: n_samples must be an integer >= 1, got {n_samples!r}")
     if len(y) == 0:
         return {"num-examples": 0.0}
     xt, yt = problem.tensors(x, y)

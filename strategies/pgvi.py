@@ -244,6 +244,8 @@ class RoundStats:
 
 
 _BIN_PREFIX = "ece-bin-"
+#: the values an evaluate reply's bounded metrics can take; one outside is left out of the pooled value
+_EVAL_METRIC_RANGE = {"accuracy": (0.0, 1.0), "ece": (0.0, 1.0), "brier": (0.0, 2.0), "rmse": (0.0, math.inf)}
 _BIN_KEY = re.compile(r"ece-bin-([0-9]{2})-(count|conf|correct)")  # common.metrics.bin_sum_key, <= 100 bins
 
 
@@ -416,17 +418,19 @@ class PGVIStrategy(Strategy):
                 continue
             try:  # a malformed reply is skipped, never allowed to crash the server
                 m = dict(msg.content[P.METRICS])
-                n = _finite_number(m.get("num-examples", 0.0))
+                count = m.get("num-examples", 0.0)
                 values = {k: _metric_number(v) for k, v in m.items() if k != "num-examples"}
             except Exception as err:
                 log(WARNING, "round %d: evaluate reply from node %d skipped: %s", server_round,
                     msg.metadata.src_node_id, f"{type(err).__name__}: {err}")
                 continue
-            if n is None or n <= 0:
-                if n is None:
-                    log(WARNING, "round %d: evaluate reply from node %d skipped: 'num-examples' is not a finite "
-                        "number", server_round, msg.metadata.src_node_id)
+            why = _train_metric_problem("num-examples", count)  # a whole number in [0, 2^53], as in a train reply
+            if why is not None or float(count) == 0.0:  # (1e308 twice overflowed the pooling's sum of counts)
+                if why is not None:
+                    log(WARNING, "round %d: evaluate reply from node %d skipped: 'num-examples' %s", server_round,
+                        msg.metadata.src_node_id, why)
                 continue
+            n = float(count)
             bin_values = {k: v for k, v in values.items() if k.startswith(_BIN_PREFIX)}
             if not _bin_sums_consistent(bin_values, n):
                 log(WARNING, "round %d: evaluate reply from node %d skipped: malformed or inconsistent ECE bin "
@@ -442,6 +446,13 @@ class PGVIStrategy(Strategy):
                 log(WARNING, "round %d: evaluate reply from node %d: %s not a real number (NaN or not numeric), "
                     "left out of the pooled client metrics", server_round, msg.metadata.src_node_id,
                     ", ".join(repr(k) for k in dropped))
+            outside = sorted(k for k, v in values.items() if v is not None and k in _EVAL_METRIC_RANGE
+                             and not _EVAL_METRIC_RANGE[k][0] <= v <= _EVAL_METRIC_RANGE[k][1])
+            if outside:
+                log(WARNING, "round %d: evaluate reply from node %d: %s outside the metric's range, left out of the "
+                    "pooled client metrics", server_round, msg.metadata.src_node_id,
+                    ", ".join(f"{k!r} = {values[k]:g}" for k in outside))
+                values.update(dict.fromkeys(outside))
             for k, v in values.items():
                 if v is not None and k not in bin_values:
                     term = v * v if k == "rmse" else v

@@ -317,3 +317,18 @@ def test_prepare_turns_a_failed_download_into_a_config_error(tmp_path, monkeypat
     msg = str(info.value)
     assert "data-dir" in msg and "download failed" in msg and "urlopen error offline" in msg and "\n" not in msg
 
+
+
+@pytest.mark.parametrize("call", [
+    lambda syn: syn.clutter_1d(5, inlier_shift=float("nan")),
+    lambda syn: syn.clutter_1d(5, outlier_shift=float("inf")),
+    lambda syn: syn.clutter_1d(5, theta=float("inf")),
+    lambda syn: syn.clutter_1d(5, theta_prior_mean=float("nan")),
+    lambda syn: syn.student_t_location(3, loc=float("nan")),
+    lambda syn: syn.conjugate_linear_regression(3, dim=2, theta=[0.0, float("nan")]),
+])
+def test_synthetic_generators_refuse_non_finite_locations(call):
+    """Stop-30 review: the scales were checked, the locations not: NaN or inf data came back without an error."""
+    import common.data.synthetic as syn
+    with pytest.raises(ValueError, match="must be (a )?finite"):
+        call(syn)

@@ -159,3 +159,15 @@ def test_finite_client_values_near_the_float_range_pool_without_overflow(strateg
     assert dict(strategy.aggregate_evaluate(1, replies))["client-nll"] == 0.0
     replies = [_EvalReply({"num-examples": 300.0, "nll": 1e306}, 0), _EvalReply({"num-examples": 100.0, "nll": 1e306}, 1)]
     assert dict(strategy.aggregate_evaluate(1, replies))["client-nll"] == pytest.approx(1e306)
+
+
+@pytest.mark.parametrize("n_samples", [0, -3, True, 2.5])
+@pytest.mark.parametrize("model", ["gaussian_location", "logistic_regression"])
+def test_evaluate_posterior_refuses_a_bad_number_of_samples_for_every_model(model, n_samples):
+    """Stop-30 review: the regression path failed with 'math domain error' (0) or a raw torch error instead."""
+    from common.evaluation import evaluate_posterior
+    dataset = "synthetic_gaussian_location" if model == "gaussian_location" else "breast_cancer"
+    problem = build_problem(parse_run_config({"model": model, "dataset": dataset}))
+    x, y = (np.zeros((4, 0)), np.ones((4, 1))) if model == "gaussian_location" else (np.ones((4, 30)), np.array([0, 1] * 2))
+    with pytest.raises(ValueError, match="n_samples must be an integer >= 1"):
+        evaluate_posterior(problem, problem.prior, x, y, n_samples)

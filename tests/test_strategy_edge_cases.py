@@ -352,3 +352,32 @@ def test_inconsistent_ece_bins_skip_the_reply():
     counts_only = {k: v for k, v in good.items() if not k.endswith(("-conf", "-correct"))}
     out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply(counts_only, 1)]))
     assert out["client-num-examples"] == 10.0
+
+
+def test_evaluate_replies_with_impossible_counts_are_skipped_not_a_crash(monkeypatch):
+    """Stop-30 review: two replies with num-examples 1e308 made the pooling raise OverflowError (the run failed); one
+    with 1e300 decided every pooled metric; a fractional count was taken. A count must be a whole number in
+    [0, 2^53], as a train reply's."""
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    warned: list[str] = []
+    monkeypatch.setattr("strategies.pgvi.log", lambda level, msg, *a: warned.append(msg % a if a else msg))
+    honest = _EvalReply({"num-examples": 100.0, "accuracy": 0.7}, 0)
+    for bad in (1e308, 1e300, 0.25, 2.0**53 + 2, -5.0):
+        warned.clear()
+        huge = [_EvalReply({"num-examples": bad, "accuracy": 0.9}, 1), _EvalReply({"num-examples": bad, "accuracy": 0.9}, 2)]
+        out = dict(strategy.aggregate_evaluate(1, [*huge, honest]))
+        assert out["client-accuracy"] == 0.7 and out["client-num-examples"] == 100.0, (bad, out)
+        if bad > 0:
+            assert sum("num-examples" in w and "skipped" in w for w in warned) == 2, (bad, warned)
+
+
+def test_evaluate_metrics_outside_their_range_are_left_out_of_the_pooled_values(monkeypatch):
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    warned: list[str] = []
+    monkeypatch.setattr("strategies.pgvi.log", lambda level, msg, *a: warned.append(msg % a if a else msg))
+    good = {"num-examples": 100.0, "accuracy": 0.7, "brier": 0.3, "ece": 0.1, "nll": 0.8}
+    bad = {"num-examples": 100.0, "accuracy": 7.0, "brier": -3.0, "ece": 1.5, "nll": 0.6}
+    out = dict(strategy.aggregate_evaluate(1, [_EvalReply(good, 0), _EvalReply(bad, 1)]))
+    assert (out["client-accuracy"], out["client-brier"], out["client-ece"]) == (0.7, 0.3, 0.1)
+    assert out["client-nll"] == pytest.approx(0.7)  # in range: pooled
+    assert any("'accuracy'" in w and "'brier'" in w and "'ece'" in w and "outside" in w for w in warned), warned

@@ -41,6 +41,13 @@ def _check_positive(value: float, name: str) -> float:
     return value
 
 
+def _check_finite(value: float, name: str) -> float:
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
 # --------------------------------------------------------------------------------------------------
 # 1-D clutter problem
 
@@ -95,10 +102,13 @@ def clutter_1d(
         raise ValueError(f"eps must be in [0, 1), got {eps}")
     for value, name in ((inlier_std, "inlier_std"), (outlier_std, "outlier_std")):
         _check_positive(value, name)
+    inlier_shift = _check_finite(inlier_shift, "inlier_shift")
+    outlier_shift = _check_finite(outlier_shift, "outlier_shift")
     rng = np.random.default_rng(seed)
     if theta is None:
-        theta = float(theta_prior_mean + _check_positive(theta_prior_std, "theta_prior_std") * rng.standard_normal())
-    theta = float(theta)
+        theta = (_check_finite(theta_prior_mean, "theta_prior_mean")
+                 + _check_positive(theta_prior_std, "theta_prior_std") * rng.standard_normal())
+    theta = _check_finite(theta, "theta")
     is_outlier = rng.random(n) < eps
     z = rng.standard_normal(n)
     x = np.where(is_outlier, theta + outlier_shift + outlier_std * z, theta + inlier_shift + inlier_std * z)
@@ -121,8 +131,9 @@ def student_t_location(n: int, df: float = 4.0, loc: float = 0.0, scale: float =
     n = _check_n(n)
     df = _check_positive(df, "df")
     scale = _check_positive(scale, "scale")
+    loc = _check_finite(loc, "loc")
     rng = np.random.default_rng(seed)
-    return (float(loc) + scale * rng.standard_t(df, size=n)).astype(np.float64)
+    return (loc + scale * rng.standard_t(df, size=n)).astype(np.float64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,6 +252,8 @@ def conjugate_linear_regression(
     theta = np.asarray(theta, dtype=np.float64).reshape(-1)
     if theta.shape != (dim,):
         raise ValueError(f"theta must have shape ({dim},), got {theta.shape}")
+    if not np.isfinite(theta).all():
+        raise ValueError(f"theta must be finite, got {theta}")
     x = x_scale * rng.standard_normal((n, dim))
     y = x @ theta + sigma * rng.standard_normal(n)
     return LinearRegressionData(x=x, y=y.reshape(n, 1), theta=theta.copy(), sigma=sigma)
