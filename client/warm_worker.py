@@ -630,11 +630,22 @@ def _handshake_seconds(text: str) -> float:
     return value
 
 
+def _torch_threads(text: str) -> int:
+    """``--torch-threads``: a whole number >= 1 (0 reached ``torch.set_num_threads`` and failed there)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m client.warm_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", required=True,
                     help="Unix socket path; its directory is created 0700 if missing, else must be private to this user")
-    ap.add_argument("--torch-threads", type=int, default=1, help="torch threads (a request's node config overrides it)")
+    ap.add_argument("--torch-threads", type=_torch_threads, default=1, help="torch threads (a request's node config overrides it)")
     ap.add_argument("--handshake-timeout-s", type=_handshake_seconds, default=HANDSHAKE_TIMEOUT_S,
                     help="drop a peer that does not complete the authentication handshake within this time "
                          f"(default {HANDSHAKE_TIMEOUT_S:g}, at most {MAX_HANDSHAKE_TIMEOUT_S:g})")

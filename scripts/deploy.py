@@ -1734,16 +1734,8 @@ def _up_isolation(isolation: str | None, superexec: str) -> str:
     return isolation or ("process" if superexec == "preforked" else "subprocess")
 
 
-def _up(args: argparse.Namespace) -> int:
-    if args.insecure and args.auth:
-        print("--auth needs TLS: it cannot be combined with --insecure", file=sys.stderr)
-        return 2
-    try:
-        isolation = _up_isolation(args.isolation, args.superexec)
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 2
-    dep = Deployment(
+def _new_deployment(args: argparse.Namespace, isolation: str) -> Deployment:
+    return Deployment(
         args.nodes,
         run_dir=args.run_dir,
         app_dir=args.app,
@@ -1765,6 +1757,18 @@ def _up(args: argparse.Namespace) -> int:
         superlink_state=args.superlink_state,
         warm_workers=args.warm_workers,
     )
+
+
+def _up(args: argparse.Namespace) -> int:
+    if args.insecure and args.auth:
+        print("--auth needs TLS: it cannot be combined with --insecure", file=sys.stderr)
+        return 2
+    try:
+        isolation = _up_isolation(args.isolation, args.superexec)
+        dep = _new_deployment(args, isolation)
+    except ValueError as err:  # a value the Deployment refuses (--nodes 0, one port twice, ...): before any start
+        print(f"deploy.py up: error: {err}", file=sys.stderr)
+        return 2
     old = Path(args.run_dir).resolve() / STATE_FILE
     if old.exists():
         prev = Deployment.attach(args.run_dir)

@@ -764,6 +764,32 @@ def ensure_pki(
         )  # fmt: skip
 
 
+def _refuse_unreadable(out: Path, num_supernodes: int, runtime_certs: bool) -> None:
+    """Raise :class:`PkiError` naming every existing file of ``out`` this process may not read, before anything
+    is written.  docs/deploy.md hands the private keys the containers mount to their uid (49999): taken for damaged
+    files, they were replaced by new keys the containers could not read."""
+    names = ["ca.crt", "ca.key", "server.pem", "server.key"]
+    for k in range(num_supernodes):
+        name = node_key_name(k)
+        names += [f"keys/{name}.key", f"keys/{name}.pub"]
+        if runtime_certs:
+            names += [f"runtime/{name}.pem", f"runtime/{name}.key"]
+    denied = []
+    for name in names:
+        path = out / name
+        try:
+            if path.is_file():
+                path.read_bytes()
+        except PermissionError:
+            denied.append(str(path))
+    if denied:
+        raise PkiError(
+            f"cannot read {', '.join(denied)} (permission denied: given to the containers' uid by docs/deploy.md's "
+            "chown?). Nothing was written: run pki.py again with sudo, then give any new private key it writes to "
+            "that uid (sudo chown 49999:49999 <key>)"
+        )
+
+
 def _reuse_ca(ca_cert_p: Path, ca_key_p: Path, say) -> tuple[ec.EllipticCurvePrivateKey | None, x509.Certificate]:
     """Load the existing CA: ``ca.crt`` (a CA certificate valid now) and, if present, the matching ``ca.key``
     (``None`` when it is kept offline)."""
@@ -801,6 +827,8 @@ def _ensure_pki_locked(
 
     ca_cert_p, ca_key_p = out / "ca.crt", out / "ca.key"
     srv_cert_p, srv_key_p = out / "server.pem", out / "server.key"
+    if not force:
+        _refuse_unreadable(out, num_supernodes, runtime_certs)
 
     # --- CA
     # ca.crt without ca.key: the operator moved the CA key offline (good practice). Never

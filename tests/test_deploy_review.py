@@ -226,3 +226,26 @@ def test_private_dirs_are_owner_only_down_to_every_created_parent(tmp_path):
     assert [_mode(p) for p in (deep, deep.parent, deep.parent.parent, tmp_path / "run")] == [0o700] * 4
     assert _mode(tmp_path) == 0o755
     _mkdir_private(deep)  # exists: no error
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "0"], "num_nodes must be >= 1"),
+    (["--nodes", "1", "--node-config-for", "5", "torch-threads=1"], "node index k must be in [0, 1)"),
+    (["--nodes", "1", "--poll-interval", "0"], "superexec_poll_interval must be in [0.01, 60]"),
+    (["--nodes", "1", "--fleet-port", "8000", "--control-port", "8000"], "must all differ"),
+])
+def test_up_refuses_values_the_deployment_refuses_in_one_line_before_anything_starts(tmp_path, capsys, args, says):
+    """Stop-30 review: these ended in a ValueError traceback (exit 1)."""
+    from scripts import deploy
+    run_dir = tmp_path / "run"
+    assert deploy.main(["up", "--run-dir", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deploy.py up: error: ") and says in err and "Traceback" not in err, err
+    assert not (run_dir / "deployment.json").exists()
+
+
+def test_warm_worker_refuses_torch_threads_below_one_at_parsing(capsys):
+    from client import warm_worker
+    with pytest.raises(SystemExit) as exc:
+        warm_worker.build_parser().parse_args(["--socket", "/nonexistent/w.sock", "--torch-threads", "0"])
+    assert exc.value.code == 2 and "--torch-threads: must be a whole number >= 1" in capsys.readouterr().err

@@ -431,3 +431,34 @@ def test_a_ca_without_key_usage_is_still_a_ca(tmp_path):
     _write_ca(out, ca=True, key_cert_sign=None)
     files = pki.ensure_pki(out, 0)
     _cert(files.server_cert).verify_directly_issued_by(_cert(files.ca_cert))
+
+
+@pytest.mark.parametrize("args", [["--supernodes", "4"], ["--supernodes", "3", "--san", "fl.example.org"],
+                                  ["--supernodes", "3"]])
+def test_keys_handed_to_the_container_uid_are_refused_not_replaced(tmp_path, monkeypatch, capsys, args):
+    """Stop-30 review: after docs/deploy.md's `sudo chown 49999 <private keys>`, a re-run as the operator took the
+    unreadable server.key for a damaged one and wrote a new key (owned by the operator: the SuperLink container
+    could no longer read it), then stopped on the node keys. Now nothing is written and the error names the files.
+    (The test runs as root, which reads every file: reading the handed keys is made to fail as it does for the
+    operator, with EACCES.)"""
+    certs = tmp_path / "certs"
+    assert pki.main(["--out", str(certs), "--supernodes", "3", "-q"]) == 0
+    handed = {certs / "server.key", *(certs / "keys").glob("site-*.key"), *(certs / "runtime").glob("*.key")}
+    before = {p: p.read_bytes() for p in certs.rglob("*") if p.is_file()}
+    real_read = Path.read_bytes
+
+    def read_bytes(self):
+        if self in handed:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    capsys.readouterr()
+    assert pki.main(["--out", str(certs), *args]) == 2
+    err = capsys.readouterr().err
+    assert "server.key" in err and "site-0.key" in err and "sudo" in err, err
+    monkeypatch.setattr(Path, "read_bytes", real_read)
+    after = {p: p.read_bytes() for p in certs.rglob("*") if p.is_file()}
+    assert after == before  # nothing written, nothing replaced
+    assert pki.main(["--out", str(certs), *args, "-q"]) == 0  # the documented re-run with sudo (every file readable)
+    assert (certs / "server.key").read_bytes() == before[certs / "server.key"]  # reused, not replaced
