@@ -4,7 +4,8 @@ Flower 1.39's ``run_clientapp`` calls ``flwr.cli.install.install_from_fab(fab_by
 every message: it extracts the whole FAB into a temporary directory, checks every file against the FAB's
 ``.info/CONTENT`` manifest, and only then finds the app installed under
 ``$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`` and returns that directory.  For this project's FAB
-(64 files, 624 kB) that is 15-40 ms of CPU per message here, against 0.5 ms with the cache
+(67 files, 895 kB on 2026-11-27) that was 6.7 ms of CPU per message here on 2026-11-27, against 0.57 ms with the
+cache (one round of 5 calls); on 2026-11-24, when the FAB had 64 files and 624 kB, 15-40 ms against 0.5 ms
 (``scripts/bench_fab_install.py``, ``docs/bench_network.md`` section 4c).
 
 :func:`install` replaces the name ``install_from_fab`` in ``flwr.supernode.runtime.run_clientapp`` with the
@@ -23,7 +24,7 @@ value: it finds the app under ``FLWR_HOME`` itself).
 
 A marker is written only when the install directory holds every file of the FAB at its size (read from the
 FAB's zip directory, no extraction; only after Flower's own install ran: about 2 ms for this project's FAB of
-66 entries against 60-70 ms for Flower's install, measured on the shared 2-core machine).  Flower
+66 entries at the time, against 60-70 ms for Flower's install, measured then on the shared 2-core machine).  Flower
 returns an existing install directory at once, even one another process is still copying into (two ClientApps
 installing the same new FAB into a shared ``FLWR_HOME``) or one an earlier install left half-written (a full
 disk): such a directory is not marked, and a warning names what it lacks.  Flower then keeps using it all the

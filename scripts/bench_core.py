@@ -6,7 +6,9 @@ In one process, with ``torch.set_num_threads(--threads)``:
 2. one epoch of :func:`common.local_gvi.local_gvi` on ``--n`` synthetic samples (inputs uniform in [0, 1]^784,
    10 random classes), batch ``--batch``, ``--samples`` Monte Carlo samples, local reparameterisation, for
    (a) ``nll`` + ``kl`` and (b) ``gce(0.8)`` + ``alpha_renyi(2.5)``;
-3. samples/s, achieved GFLOP/s and its fraction of the peak, and the peak RSS (``ru_maxrss``).
+3. samples/s, achieved GFLOP/s and its fraction of the peak, and the peak RSS of this process (``VmHWM``); with
+   ``--compare-torch-path`` the child process's own peak is printed separately (this process's peak never
+   includes a child's).
 
 Both rates are reported by wall clock and by process CPU time (``time.process_time``).  On a machine shared
 with other work the wall-clock figures measure the sharing; with ``--threads 1`` the CPU-time figures are
@@ -32,7 +34,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import resource
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -48,10 +52,22 @@ from common.losses import make_loss  # noqa: E402
 from common import native  # noqa: E402
 from common.models import make_model  # noqa: E402
 from common.runtime import configure_compute, flush_denormals_from_environment, set_flush_denormals  # noqa: E402
+from scripts.arg_types import int_at_least  # noqa: E402
 
 
 def rss_mb() -> float:
-    """Peak resident set size of this process so far, MiB (Linux ru_maxrss is in KiB)."""
+    """Peak resident set size of this process so far, MiB: ``VmHWM`` of ``/proc/self/status``.
+
+    Not ``ru_maxrss``: Linux keeps in it the peak of the image a process replaced by exec, so a child started by
+    a 600-MiB parent (the ``--compare-torch-path`` child) reads at least 600 MiB from its first line on.  Without
+    ``/proc``, ``ru_maxrss`` (KiB on Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -109,14 +125,15 @@ def bnn_flops_per_point(sizes: list[int], n_samples: int) -> int:
     return forward + backward
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--n", type=int, default=20_000)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--n", type=int_at_least(1, " (synthetic samples)"), default=20_000)
+    ap.add_argument("--batch", type=int_at_least(1, " (a minibatch size)"), default=256)
+    ap.add_argument("--samples", type=int_at_least(1, " (Monte Carlo samples)"), default=10)
     ap.add_argument("--hidden", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=3, help="timed epochs per configuration (best is reported)")
+    ap.add_argument("--repeats", type=int_at_least(1, " (timed epochs)"), default=3,
+                    help="timed epochs per configuration (best is reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of 20 training steps")
     ap.add_argument("--compare-torch-path", action="store_true",
@@ -128,7 +145,7 @@ def main() -> None:
                          "configuration, and print best / median epoch times and the ratio of the best")
     ap.add_argument("--default-allocator", action="store_true",
                     help="keep glibc's malloc thresholds (the clients tune them: common.runtime.configure_compute)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads < 1:
         raise SystemExit("--threads must be >= 1")
     if args.default_allocator:  # the clients' floating-point mode all the same, so that only the allocator differs
@@ -201,25 +218,36 @@ def main() -> None:
 
     if args.compare_autograd_route > 0:
         compare_autograd_route(args.compare_autograd_route, cases, model, prior, x, y, init, base)
+    child_rss = None
     if args.compare_torch_path and not native.disabled_by_environment():
-        compare_torch_path(args, {name: min(times) for name, times, *_ in measured})
-    print(f"peak RSS of the epochs: {epochs_rss:.0f} MiB (the target's figure); of the whole run, matmul peak and "
-          f"comparisons included: {rss_mb():.0f} MiB; load average after: {os.getloadavg()}")
+        child_rss = compare_torch_path(args, {name: min(times) for name, times, *_ in measured})
+    in_process = "matmul peak" + (" and autograd-route comparison" if args.compare_autograd_route > 0 else "")
+    child = "" if child_rss is None else f"; of the torch-path child process (its own peak): {child_rss:.0f} MiB"
+    print(f"peak RSS of the epochs: {epochs_rss:.0f} MiB (the target's figure); of this process over the whole run, "
+          f"{in_process} included: {rss_mb():.0f} MiB{child}; load average after: {os.getloadavg()}")
 
 
-def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float]) -> None:
-    """The same epochs in a fresh interpreter with the kernels off; prints its lines and the speed-ups."""
-    import re
-    import subprocess
-
+def torch_path_command(args: argparse.Namespace) -> list[str]:
+    """This script with every option of this run but the profile and the comparisons."""
     cmd = [sys.executable, __file__]
-    for key, value in vars(args).items():  # every option of this run, but not the profile or the comparison
+    for key, value in vars(args).items():
         if key in ("profile", "compare_torch_path", "compare_autograd_route") or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         cmd += [flag] if value is True else [flag, str(value)]
-    out = subprocess.run(cmd, env=dict(os.environ, PGVI_FUSED_KERNELS="0"), capture_output=True, text=True,
-                         check=True).stdout
+    return cmd
+
+
+#: the figure the last line gives for the whole run of the process that printed it (read back from the child)
+_WHOLE_RUN_RSS = re.compile(r"of this process over the whole run, [^:]*: ([0-9.]+) MiB")
+
+
+def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float]) -> float | None:
+    """The same epochs in a fresh interpreter with the kernels off; prints its lines and the speed-ups, and returns
+    the child's peak RSS in MiB as the child reports it (its own ``VmHWM``; None if its output has no such line)."""
+    out = subprocess.run(torch_path_command(args), env=dict(os.environ, PGVI_FUSED_KERNELS="0"),
+                         capture_output=True, text=True, check=True).stdout
+    whole = _WHOLE_RUN_RSS.findall(out)
     torch_epoch = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\[(.+?)\] epoch ([0-9.]+) s wall", out, re.M)}
     print("torch path (PGVI_FUSED_KERNELS=0, child process):")
     for line in out.splitlines():
@@ -229,6 +257,7 @@ def compare_torch_path(args: argparse.Namespace, kernel_epoch: dict[str, float])
         if name in torch_epoch:
             print(f"[{name}] kernels {t:.3f} s vs torch path {torch_epoch[name]:.3f} s per epoch: "
                   f"{torch_epoch[name] / t:.2f}x")
+    return float(whole[-1]) if whole else None
 
 
 def compare_autograd_route(rounds: int, cases: list, model, prior, x, y, init, base) -> None:  # type: ignore[no-untyped-def]

@@ -25,12 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.arg_types import int_at_least  # noqa: E402
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=30, help="calls per function and round (median reported)")
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--calls", type=int_at_least(1, " (calls timed per round)"), default=30,
+                    help="calls per function and round (median reported)")
+    ap.add_argument("--rounds", type=int_at_least(1, " (rounds)"), default=3)
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["FLWR_HOME"] = str(Path(tmp) / "flwr-home")
         flwr = Path(sys.executable).parent / "flwr"
