@@ -1,4 +1,7 @@
-"""FedAvg baseline ClientApp: a deterministic MLP with the BNN's architecture, trained with local SGD.
+"""FedAvg baseline ClientApp: the deterministic counterpart of the run's model, trained with local SGD.
+
+The network is :func:`common.deterministic_mlp.baseline_hidden_sizes`'s: the BNN's hidden sizes for ``model =
+"bnn"``, none (multinomial logistic regression) for ``"logistic_regression"``; other models are refused.
 
 Same run config, same data path (``common.problem.client_shard``: partitioner, label noise) and same
 node config (``partition-id``, ``torch-threads``) as the PGVI ClientApp, so the baseline differs from
@@ -15,9 +18,10 @@ from flwr.clientapp import ClientApp
 
 from client.node_request import whole_number
 from common.config import RunConfig, parse_run_config
-from common.deterministic_mlp import DeterministicMLP, SGDConfig, predict_log_probs, sgd_epochs
+from common.deterministic_mlp import DeterministicMLP, SGDConfig, baseline_hidden_sizes, predict_log_probs, sgd_epochs
 from common.metrics import classification_metrics_from_log_probs
 from common.problem import ArraysSplit, client_shard
+from common.protocol import FEDAVG_TRAIN_METRICS
 from common.runtime import configure_threads, subnormals_flushed
 
 app = ClientApp()
@@ -38,10 +42,9 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit,
                          f"num-clients={cfg.num_clients}")
     partition_id = whole_number(nc, "partition-id", 0)
     configure_threads(whole_number(nc, "torch-threads", cfg.torch_threads or 1))
+    hidden = baseline_hidden_sizes(cfg)  # ConfigError for a model that is not a classifier
     shard = _shard(cfg, partition_id)
-    if shard.num_classes < 2:
-        raise ValueError("the FedAvg baseline needs a classification dataset")
-    model = DeterministicMLP(shard.x_train.shape[1], cfg.hidden_sizes, shard.num_classes)
+    model = DeterministicMLP(shard.x_train.shape[1], hidden, shard.num_classes)
     model.set_arrays({k: v.numpy() for k, v in msg.content["arrays"].to_torch_state_dict().items()})
     return cfg, partition_id, shard, model
 
@@ -57,8 +60,9 @@ def train(msg: Message, context: Context) -> Message:
     with subnormals_flushed():
         trace = sgd_epochs(model, shard.x_train, shard.y_train, sgd)
     seconds = time.perf_counter() - start
-    metrics = MetricRecord({"num-examples": len(shard.y_train), "train-loss": trace[-1], "client-seconds": seconds,
-                            "epochs": float(len(trace))})
+    values = {"num-examples": len(shard.y_train), "train-loss": trace[-1], "client-seconds": seconds,
+              "epochs": float(len(trace))}
+    metrics = MetricRecord({k: values[k] for k in FEDAVG_TRAIN_METRICS})  # exactly the keys the server accepts
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 
 

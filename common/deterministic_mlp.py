@@ -4,7 +4,8 @@
 mean-field Gaussian; its parameters are named ``layers.{i}.weight`` / ``layers.{i}.bias`` with the same
 shapes, so the two are directly comparable.  :func:`sgd_epochs` is the client's local training (SGD with
 momentum and weight decay, the FedAvg settings of the FedGVI paper), :func:`predict_probs` its softmax
-predictions for the same metrics (``common.metrics``) as the Bayesian models.
+predictions for the same metrics (``common.metrics``) as the Bayesian models.  :func:`baseline_hidden_sizes`
+says which deterministic network a run's ``model`` corresponds to.
 """
 
 from __future__ import annotations
@@ -12,10 +13,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from common.config import ConfigError
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+
+def baseline_hidden_sizes(cfg: RunConfig) -> list[int]:
+    """The hidden sizes of the FedAvg baseline's network for run config ``cfg``: the deterministic counterpart of
+    the run's model.  ``bnn``: the BNN's ``hidden`` sizes; ``logistic_regression``: none (multinomial logistic
+    regression, ``in_features -> num_classes``).  Any other model (``linear_regression``, ``gaussian_location``:
+    not classifiers) raises :class:`~common.config.ConfigError` naming the key ``model``."""
+    if cfg.model == "bnn":
+        return list(cfg.hidden_sizes)
+    if cfg.model == "logistic_regression":
+        return []
+    raise ConfigError(f"invalid run config: model: the FedAvg baseline trains a classifier, model 'bnn' or "
+                      f"'logistic_regression'; got '{cfg.model}'")
 
 
 class DeterministicMLP(nn.Module):

@@ -251,12 +251,18 @@ def per_run_overrides(runs: list[Run], overrides: dict[str, object]) -> list[str
 
 
 def invalid_configs(runs: list[Run]) -> list[str]:
-    """Every distinct run-config error of the plan (``RunConfig`` validation, as ``run_inprocess.py`` does it),
-    with the runs it concerns: checked before the first run, instead of each run failing in its own process."""
+    """Every distinct run-config error of the plan (``RunConfig`` validation, as ``run_inprocess.py`` does it, and
+    for a FedAvg run a model the baseline cannot train: ``baseline_hidden_sizes``), with the runs it concerns:
+    checked before the first run, instead of each run failing in its own process."""
     errors: dict[str, list[str]] = {}
     for run in runs:
         try:
-            requested_config(run)
+            flat = requested_config(run)
+            if run.method == "fedavg":
+                from common.config import parse_run_config
+                from common.deterministic_mlp import baseline_hidden_sizes
+
+                baseline_hidden_sizes(parse_run_config({k: v for k, v in flat.items() if k != "method"}))
         except ValueError as err:  # ConfigError, or a value parse_overrides cannot take
             errors.setdefault(str(err), []).append(run.name)
     return [f"{msg} (run{'s' if len(names) > 1 else ''} {', '.join(names)})" for msg, names in errors.items()]
@@ -636,9 +642,9 @@ def _final_predictive(run_dir: Path, method: str) -> tuple[np.ndarray, np.ndarra
     cfg = parse_run_config(raw)
     data = load_full_data(cfg)
     if method == "fedavg":
-        from common.deterministic_mlp import DeterministicMLP, predict_log_probs
+        from common.deterministic_mlp import DeterministicMLP, baseline_hidden_sizes, predict_log_probs
 
-        model = DeterministicMLP(data.x_train.shape[1], cfg.hidden_sizes, data.num_classes)
+        model = DeterministicMLP(data.x_train.shape[1], baseline_hidden_sizes(cfg), data.num_classes)
         with np.load(run_dir / "model.npz") as z:
             model.set_arrays({k: z[k] for k in z.files})
         log_probs = predict_log_probs(model, data.x_test)
