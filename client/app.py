@@ -12,7 +12,7 @@ torch, the data shard and the problem loaded across messages.
 Node config keys: ``partition-id`` (a whole number in ``[0, num-clients)``), ``num-partitions`` (if given, equal
 to the run's ``num-clients``), ``client-id`` (stable id, default ``site-<partition-id>``),
 ``state-dir`` (durable client state; default: kept in the SuperNode's memory for the run),
-``torch-threads`` (a positive whole number, default 1), ``batch-size`` (overrides the run config's, for small devices),
+``torch-threads`` (a whole number in [1, 1024]; default: the run config's ``torch-threads``, 0 there meaning 1), ``batch-size`` (overrides the run config's, for small devices),
 ``compute-worker`` (path of the node's warm worker socket; default: compute in the ClientApp process),
 ``compute-worker-timeout-s`` (how long to wait for the worker's result, default 3600; a positive number of
 seconds, at most 30 days: more is surely a typo, and past ~24.8 days one ``poll`` of the socket overflows).
@@ -32,6 +32,7 @@ train message failing while the run goes on without the node.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -42,6 +43,7 @@ from client import warm_worker
 from client.node_request import InjectedFault, Request, Result, node_client_id, node_run_config
 from common import protocol as P
 from common.client_state import ClientState
+from common.errors import PGVIError
 from strategies.codec import arrays_to_record, decode_arrays, encode_arrays, layout_key
 
 app = ClientApp()
@@ -64,6 +66,21 @@ def _ids(context: Context) -> tuple[str, str | None]:
     client_id = node_client_id(nc)  # the id node_run_config checks, in the query before round 1
     state_dir = str(nc["state-dir"]) if nc.get("state-dir") else None
     return client_id, state_dir
+
+
+def _check_state_dir(state_dir: str) -> None:
+    """Every train message saves the client's state in ``state_dir``: one that cannot be created or written (a path
+    below a file, a directory another user owns) is refused here, in the identity query, naming the key, instead of
+    failing every train message while the run goes on without the node."""
+    import tempfile
+
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise PGVIError(f"node config state-dir {state_dir!r} is not a directory this client can write: "
+                        f"{type(err).__name__}: {err.strerror or err}") from None
 
 
 def _load_state(context: Context, client_id: str, state_dir: str | None) -> ClientState:
@@ -179,6 +196,8 @@ def query(msg: Message, context: Context) -> Message:
     _worker_timeout(context.node_config)
     _fault_spec(context.node_config)
     client_id, state_dir = _ids(context)
+    if state_dir:
+        _check_state_dir(state_dir)
     state = _load_state(context, client_id, state_dir)
     cfg = ConfigRecord({"client-id": client_id, "site-version": state.version,
                         "pending": state.pending_version is not None})

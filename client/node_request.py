@@ -100,7 +100,7 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
     WARNING per round."""
     # imported here: the ClientApp process of a train or evaluate message never validates the config (its worker
     # does), and building the pydantic models costs every such process about 6 ms of CPU
-    from common.config import ConfigError, parse_run_config
+    from common.config import MAX_TORCH_THREADS, ConfigError, parse_run_config
 
     cfg = parse_run_config(dict(run_config))
     partition_id = whole_number(node_config, "partition-id", 0)
@@ -117,8 +117,9 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
             threads = whole_number(node_config, "torch-threads", 1)
         except PGVIError:
             threads = 0
-        if threads < 1:
-            raise PGVIError(f"node config torch-threads must be a positive whole number, got {raw_threads!r}")
+        if not 1 <= threads <= MAX_TORCH_THREADS:
+            raise PGVIError(f"node config torch-threads must be a whole number in [1, {MAX_TORCH_THREADS}], got "
+                            f"{raw_threads!r}")
     if "batch-size" in node_config:  # validated like the run config's own key (>= 0; 0 = full batch)
         try:
             cfg = parse_run_config({**cfg.to_flat(), "batch-size": node_config["batch-size"]})

@@ -13,6 +13,7 @@ damped Delta; ``evaluate`` scores the posterior predictive on the client's local
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -95,7 +96,8 @@ class PGVIClient(NumPyClient):
         try:
             posterior = self._factor(parameters[:n])
             site = self.problem.prior.from_numpy(self.state.site) if self.state.site is not None else self.problem.prior.zeros_like()
-            res = client_step(self.problem, posterior, site, self.x, self.y, rho, step_seed=int(config.get("server-round", 0)), stream=self.partition_id)
+            res = client_step(self.problem, posterior, site, self.x, self.y, rho, step_seed=self._step_seed(config),
+                              stream=self.partition_id)
         except PGVIError as err:
             return [], 0, self._reply(P.STATUS_FAILED, self.state.version, config, f"{type(err).__name__}: {err}")
         tag = self.state.stage(res.new_site.to_numpy())
@@ -104,6 +106,16 @@ class PGVIClient(NumPyClient):
         metrics.update(self._reply(P.STATUS_OK, self.state.version, config))
         metrics[P.UPDATE_TAG] = tag
         return [delta[k] for k in self.names], len(self.y), metrics
+
+    def _step_seed(self, config: Mapping[str, Scalar]) -> int:
+        """The local optimiser's step (``common.client_update.local_seed``): the server round; asynchronously the
+        round and the posterior version, since one client computes several updates in a round there (each against
+        another posterior), which must not share their Monte Carlo draws.  A re-executed message gets its seed
+        again."""
+        rnd = int(config.get("server-round", 0))
+        if self.problem.cfg.schedule != "asynchronous":
+            return rnd  # the seeds of every synchronous and sequential run before 2026-11-27, unchanged
+        return (rnd << 32) | (int(config.get("posterior-version", 0)) & 0xFFFFFFFF)
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         q = self._factor(parameters).check_proper("posterior")

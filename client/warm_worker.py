@@ -631,13 +631,16 @@ def _handshake_seconds(text: str) -> float:
 
 
 def _torch_threads(text: str) -> int:
-    """``--torch-threads``: a whole number >= 1 (0 reached ``torch.set_num_threads`` and failed there)."""
+    """``--torch-threads``: a whole number in [1, MAX_TORCH_THREADS] (0 reached ``torch.set_num_threads`` and failed
+    there)."""
+    from common.config import MAX_TORCH_THREADS
+
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    if not 1 <= value <= MAX_TORCH_THREADS:
+        raise argparse.ArgumentTypeError(f"must be a whole number in [1, {MAX_TORCH_THREADS}], got {text!r}")
     return value
 
 

@@ -37,6 +37,9 @@ LABEL_PARTITIONERS = ("label_skew", "dirichlet")  # the partitioners that split 
 # split), which takes [0, 2**32 - 1] and is given the seed itself; every offset the code adds to the seed
 # (+1, +4242, x 100_003 + ..., + 0x5EED0BEC + 7919 x round) goes to default_rng / torch, which take far more.
 SEED_MAX = 2**32 - 1
+#: the most torch threads a run or node config may ask for (torch.set_num_threads takes a C int; a typo such as
+#: 100000 would make OpenMP start that many threads)
+MAX_TORCH_THREADS = 1024
 # (smallest normal, largest finite) of each dtype, as numpy's finfo(...).tiny / .max
 _FLOAT_RANGE = {"float32": (2.0**-126, (2.0 - 2.0**-23) * 2.0**127),
                 "float64": (sys.float_info.min, sys.float_info.max)}
@@ -159,7 +162,7 @@ class RunConfig(BaseModel):
     local_reparam: bool = True
     conjugate: bool = Field(True, description="use the closed-form client update where it exists")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="in [0, 2**32 - 1], the range of numpy's RandomState")
-    torch_threads: int = Field(0, ge=0, description="0 = leave torch's default")
+    torch_threads: int = Field(0, ge=0, le=MAX_TORCH_THREADS, description="0 = leave torch's default")
 
     # ---- evaluation / output -------------------------------------------------------------------
     eval_samples: int = Field(200, ge=1)

@@ -7,7 +7,8 @@ Train message (server -> client), one per selected node:
                             site-tag, has-site, posterior-layout (and site-layout with a site)
 Train reply (client -> server):
   "delta"      ArrayRecord  Delta natural parameters (absent when status != "ok")
-  "metrics"    MetricRecord num-examples, objective, epochs, seconds, ...
+  "metrics"    MetricRecord num-examples, conjugate, epochs, seconds; objective, best-epoch, local-seconds (an
+                            iterative local update only)
   "config"     ConfigRecord client-id, base-site-version, posterior-version, status, reason, update-tag,
                             delta-layout
 Evaluate message: "posterior" + "config" (server-round, posterior-layout); reply: "metrics" (accuracy, nll,
@@ -45,3 +46,7 @@ UNKNOWN_VERSION = -1
 UPDATE_TAG = "update-tag"  # train reply config: the tag of the update the client staged
 SITE_TAG = "site-tag"  # train message config: the tag of the update behind the ledger's site ("" = unknown)
 MAX_TAG_CHARS = 64  # a longer (or non-string) update-tag makes a reply malformed
+
+# The FedAvg baseline (client/fedavg_app.py -> strategies/fedavg_baseline.py): the keys of a train reply's one
+# MetricRecord ("metrics"), exactly these; its one ArrayRecord ("arrays") holds the model's arrays by name
+FEDAVG_TRAIN_METRICS = ("num-examples", "train-loss", "client-seconds", "epochs")

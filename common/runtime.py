@@ -140,8 +140,10 @@ def _pool_threads_keeping_subnormals(threads: int) -> int:
 
 
 def _check_threads(threads: object) -> None:
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    from common.config import MAX_TORCH_THREADS
+
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_TORCH_THREADS:
+        raise ValueError(f"threads must be an integer in [1, {MAX_TORCH_THREADS}], got {threads!r}")
 
 
 def configure_threads(threads: int) -> None:

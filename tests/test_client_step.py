@@ -101,3 +101,21 @@ def test_the_reported_objective_is_that_of_the_returned_local_posterior():
     true = gvi_objective(model, problem.loss, problem.divergence, prior, x, y, res.local_posterior, local)
     assert res.metrics["objective"] == pytest.approx(true, rel=1e-9)
     assert "best-epoch" in res.metrics
+
+
+# ---------------------------------------------------------------------------------------------- stop 30
+def test_a_bnn_first_visit_starts_at_the_posterior_once_it_is_not_the_prior():
+    """FedGVI: the local optimiser starts at the current server q after round 1. A client whose site was still
+    uniform (a later client of a sequential round, a late joiner) started from the random symmetry-breaking mean
+    instead, and took 300 epochs where the posterior start took 115 (stop-30 review)."""
+    from common.client_update import _initial_q
+    from common.config import parse_run_config
+    from common.factors import cavity
+    from common.problem import build_problem
+
+    problem = build_problem(parse_run_config({"model": "bnn", "dataset": "digits", "hidden": "50"}))
+    zero = problem.prior.zeros_like()
+    start = _initial_q(problem, problem.prior, cavity(problem.prior, zero))
+    assert all(float(v.max()) == pytest.approx(1e-3) for v in start.variance().values())  # the random start
+    trained = problem.prior * problem.prior.from_numpy({k: 0.1 * np.ones_like(v) for k, v in zero.to_numpy().items()})
+    assert _initial_q(problem, trained, cavity(trained, zero)) is trained

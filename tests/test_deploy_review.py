@@ -248,4 +248,4 @@ def test_warm_worker_refuses_torch_threads_below_one_at_parsing(capsys):
     from client import warm_worker
     with pytest.raises(SystemExit) as exc:
         warm_worker.build_parser().parse_args(["--socket", "/nonexistent/w.sock", "--torch-threads", "0"])
-    assert exc.value.code == 2 and "--torch-threads: must be a whole number >= 1" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--torch-threads: must be a whole number in [1, 1024]" in capsys.readouterr().err

@@ -77,14 +77,15 @@ def test_num_partitions_that_disagree_are_still_named_first():
 # (2) torch-threads
 
 
-@pytest.mark.parametrize("threads", [0, -2, 1.5, True, False, "two", "", None, float("nan"), float("inf")])
+@pytest.mark.parametrize("threads", [0, -2, 1.5, True, False, "two", "", None, float("nan"), float("inf"), 2**31, 1025,
+                                     "2147483648", 1e10])
 def test_torch_threads_that_every_train_message_refuses_fail_the_identity_query(threads):
     nc = {"partition-id": 2, "num-partitions": 3, "torch-threads": threads}
-    with pytest.raises(PGVIError, match="node config torch-threads must be a positive whole number") as err:
+    with pytest.raises(PGVIError, match="node config torch-threads must be a whole number in \\[1, 1024\\]") as err:
         node_run_config(RAW, nc)
     assert repr(threads) in str(err.value)
     if threads is not None:  # a ConfigRecord holds no None
-        assert "node config torch-threads must be a positive whole number" in _query_error(nc)
+        assert "node config torch-threads must be a whole number in [1, 1024]" in _query_error(nc)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4.0, "3"])
@@ -178,3 +179,19 @@ def test_the_server_warns_about_a_node_whose_identity_query_fails(monkeypatch):
     failed = [w for w in warnings if "identity query" in w]
     assert len(failed) == 1 and f"node {bad[0]}" in failed[0] and "partition-id 7" in failed[0], warnings
     assert sorted(strategy.node_client.values()) == ["site-0"]
+
+
+# stop 30: a state-dir every train message refuses
+
+
+def test_a_state_dir_the_client_cannot_write_fails_the_identity_query(tmp_path):
+    """A path below a regular file (or a directory the SuperExec's user cannot write) passed the query; then every
+    train message failed at ClientState.save with NotADirectoryError and the run went on without the node."""
+    (tmp_path / "afile").write_text("x")
+    nc = {"partition-id": 0, "num-partitions": 3, "client-id": "site-0", "state-dir": str(tmp_path / "afile" / "state")}
+    err = _query_error(nc)
+    assert "node config state-dir" in err and "is not a directory this client can write" in err, err
+    fine = {**nc, "state-dir": str(tmp_path / "new" / "state")}  # created by the query, and left empty
+    reply = _query(fine)
+    assert not reply.has_error() and dict(reply.content[P.CONFIG])["client-id"] == "site-0"
+    assert (tmp_path / "new" / "state").is_dir() and list((tmp_path / "new" / "state").iterdir()) == []

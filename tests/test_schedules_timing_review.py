@@ -167,3 +167,30 @@ def test_a_node_that_comes_back_with_another_client_id_is_identified_again_and_n
     assert sorted(strategy.node_client.values()) == ["site-0-renamed", "site-1", "site-2"]
     assert strategy.ledger_versions["site-0"] == 2 and strategy.ledger_versions["site-0-renamed"] >= 2
     assert strategy.state.check_invariant() < 1e-12  # (the renamed node's data now stands behind two sites)
+
+
+# ============================================================================================ client seeds
+def test_asynchronous_updates_of_one_client_in_one_round_draw_different_seeds(monkeypatch):
+    """A round closes after M outcomes, so a fast client computes several updates with the same server-round, each
+    against another posterior: they used one local seed (identical Monte Carlo draws and minibatch order)."""
+    import common.client_update as cu
+
+    seeds: list[tuple[int, int]] = []
+    real = cu.local_seed
+    monkeypatch.setattr(cu, "local_seed", lambda seed, step, stream: seeds.append((stream, step)) or real(seed, step, stream))
+    lost = {"n": 0}
+
+    def lose_site_2_once(request, reply):
+        if request.metadata.message_type == "train" and request.content["config"].get("client-id") == "site-2" \
+                and not lost["n"]:
+            lost["n"] += 1
+            return []
+        return [reply]
+
+    cfg, strategy, grid = _setup({"schedule": "asynchronous", "family": "mean_field", "conjugate": False,
+                                  "divergence": "alpha_renyi", "divergence-alpha": 2.0, "local-epochs": 3,
+                                  "num-server-rounds": 3, "round-timeout-s": 1.0}, reply_hook=lose_site_2_once)
+    strategy.start(grid)
+    rounds = [(stream, step >> 32) for stream, step in seeds]
+    assert len(rounds) > len(set(rounds))  # some client did compute two updates in one round
+    assert len(seeds) == len(set(seeds)), seeds
