@@ -107,15 +107,16 @@ class PGVIClient(NumPyClient):
         metrics[P.UPDATE_TAG] = tag
         return [delta[k] for k in self.names], len(self.y), metrics
 
-    def _step_seed(self, config: Mapping[str, Scalar]) -> int:
-        """The local optimiser's step (``common.client_update.local_seed``): the server round; asynchronously the
-        round and the posterior version, since one client computes several updates in a round there (each against
-        another posterior), which must not share their Monte Carlo draws.  A re-executed message gets its seed
-        again."""
-        rnd = int(config.get("server-round", 0))
-        if self.problem.cfg.schedule != "asynchronous":
-            return rnd  # the seeds of every synchronous and sequential run before 2026-11-27, unchanged
-        return (rnd << 32) | (int(config.get("posterior-version", 0)) & 0xFFFFFFFF)
+    @staticmethod
+    def _step_seed(config: Mapping[str, Scalar]) -> int:
+        """The local optimiser's step (``common.client_update.local_seed``): the server round for a client's first
+        message of the round, and the round with ``round-message`` (its n-th message of the round, n >= 1: only the
+        asynchronous schedule sends a client several) for the others, so that two updates of one client in one
+        round (each against another posterior) do not share their Monte Carlo draws.  The first message's step is
+        the round, as every message's was before 2026-11-27: synchronous and sequential seeds are unchanged, and an
+        asynchronous burst still equals the synchronous run.  A re-executed message gets its seed again."""
+        rnd, nth = int(config.get("server-round", 0)), int(config.get(P.ROUND_MESSAGE, 0))
+        return rnd if nth == 0 else (rnd << 32) | (nth & 0xFFFFFFFF)
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         q = self._factor(parameters).check_proper("posterior")

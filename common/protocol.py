@@ -43,6 +43,8 @@ STATUS_FAILED = "failed"  # the local step raised (improper cavity, non-finite o
 
 UNKNOWN_VERSION = -1
 
+#: train message config (asynchronous schedule): this is the client's n-th message of the round (absent: its first)
+ROUND_MESSAGE = "round-message"
 UPDATE_TAG = "update-tag"  # train reply config: the tag of the update the client staged
 SITE_TAG = "site-tag"  # train message config: the tag of the update behind the ledger's site ("" = unknown)
 MAX_TAG_CHARS = 64  # a longer (or non-string) update-tag makes a reply malformed

@@ -819,6 +819,7 @@ class PGVIStrategy(Strategy):
         deadline = time.time() + timeout * num_rounds
 
         resolved = 0  # messages of this round that got their outcome (a reply, a failure or a timeout)
+        dispatched: dict[int, int] = {}  # node -> messages sent to it in this round (its next one's round-message)
         poll = self._reply_poll()
         usable: list[int] = []  # the nodes the last dispatch could use (connected, identified, not excluded)
         self._failing = set()
@@ -838,6 +839,7 @@ class PGVIStrategy(Strategy):
                 return rnd, stats
             started = time.time()
             resolved = 0
+            dispatched.clear()
             result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
             self._close_round(rnd, stats, grid, result, do_client_eval=False)
             self._check_async_progress(rnd, {self.node_client[n] for n in usable if n in self.node_client})
@@ -860,7 +862,9 @@ class PGVIStrategy(Strategy):
             now = time.time()
             free = [n for n in usable if n not in busy and resend_at.get(n, (0.0,))[0] <= now]
             if free:
-                msgs = [self._train_message(n, rnd) for n in free]
+                msgs = [self._train_message(n, rnd, dispatched.get(n, 0)) for n in free]
+                for n in free:
+                    dispatched[n] = dispatched.get(n, 0) + 1
                 with stats.timed("push"):
                     mids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)),
                                          min(deadline, time.time() + timeout))
@@ -1081,7 +1085,9 @@ class PGVIStrategy(Strategy):
             self._posterior_record = (self.state.version, *factor_to_record(self.state.posterior))
         return self._posterior_record[1], self._posterior_record[2]
 
-    def _train_message(self, node: int, rnd: int) -> Message:
+    def _train_message(self, node: int, rnd: int, nth: int = 0) -> Message:
+        """The train message of ``node`` in round ``rnd``; ``nth`` > 0 (asynchronous) marks the client's n-th
+        message of the round (``round-message``: its local seed differs from the first one's)."""
         cid = self.node_client[node]
         record, layout = self._wire_posterior()
         content = RecordDict(
@@ -1101,6 +1107,8 @@ class PGVIStrategy(Strategy):
                 ),
             }
         )
+        if nth:
+            content[P.CONFIG][P.ROUND_MESSAGE] = nth
         if cid in self.resync:
             content[P.SITE], content[P.CONFIG][layout_key(P.SITE)] = factor_to_record(self.state.site(cid))
         return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd))
