@@ -213,3 +213,21 @@ def test_any_layout_and_record_decode_or_raise_the_typed_error(layout, n, dtype,
     except ShapeMismatchError:
         return
     assert sum(v.size for v in out.values()) == n and all(v.dtype.kind == "f" for v in out.values())
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_names_and_shapes_are_refused_before_any_array_is_deserialised(monkeypatch, packed):
+    """The codec promises the check before deserialisation (a peer's 50-MB array must not be loaded to find out its
+    shape is wrong); removing it went unnoticed because a later check refused the Delta all the same (stop-30
+    audit)."""
+    from strategies import codec
+
+    arrays = {"eta1/w": np.zeros(3), "eta2/w": np.full(3, -0.5)}
+    wrong = {"eta1/w": np.zeros(4), "eta2/w": np.full(4, -0.5)}
+    if packed:
+        record, layout = codec.encode_arrays(wrong)
+    else:
+        record, layout = codec.arrays_to_record(wrong), None
+    monkeypatch.setattr(codec, "_load", lambda *a, **k: pytest.fail("an array was deserialised"))
+    with pytest.raises(codec.ShapeMismatchError, match=r"shape \(4,\), expected \(3,\)"):
+        codec.decode_arrays(record, layout, {k: v.shape for k, v in arrays.items()})

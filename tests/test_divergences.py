@@ -356,6 +356,24 @@ def fr_arccosh(mu1, s1, mu2, s2):
     return math.sqrt(2) * math.acosh(1 + ((mu1 - mu2) ** 2 / 2 + (s1 - s2) ** 2) / (2 * s1 * s2))
 
 
+def fr_nielsen(mu1, s1, mu2, s2):
+    """The second published form (Nielsen; FedGVI notes S2.2): sqrt(2) log((1 + D) / (1 - D)) with
+    D^2 = ((mu2 - mu1)^2 + 2 (s2 - s1)^2) / ((mu2 - mu1)^2 + 2 (s2 + s1)^2)."""
+    d = math.sqrt(((mu2 - mu1) ** 2 + 2 * (s2 - s1) ** 2) / ((mu2 - mu1) ** 2 + 2 * (s2 + s1) ** 2))
+    return math.sqrt(2) * math.log((1 + d) / (1 - d))
+
+
+def test_fisher_rao_matches_nielsens_log_form():
+    rng = np.random.default_rng(92)
+    for _ in range(200):
+        mu1, mu2 = rng.normal(0, 3, size=2)
+        s1, s2 = np.exp(rng.normal(0, 1.5, size=2))
+        t = lambda x: torch.tensor(float(x), dtype=DT)  # noqa: E731
+        got = float(fisher_rao_univariate(t(mu1), t(s1), t(mu2), t(s2)))
+        assert got == pytest.approx(fr_nielsen(mu1, s1, mu2, s2), rel=1e-11)
+        assert got == pytest.approx(fr_arccosh(mu1, s1, mu2, s2), rel=1e-11)  # the two forms agree
+
+
 def test_fisher_rao_sigma_doubling():
     ref = math.sqrt(2) * math.log(2)
     assert float(FisherRao()(uni(0.0, 1.0), uni(0.0, 4.0))) == pytest.approx(ref, rel=1e-14)

@@ -281,3 +281,29 @@ def test_undefined_region_unchanged_near_boundary_full_covariance():
         assert math.isfinite(v) and v > 0
         with pytest.raises(DivergenceUndefinedError):
             AlphaRenyi(alpha)(*outside)
+
+
+# stop 30 (audit): the mean-field Alpha-Renyi guard at the rounding boundary had no test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("alpha", [1.5, 2.5, 3.0, -0.5, -2.0])
+def test_mean_field_alpha_renyi_at_the_rounding_boundary_is_a_typed_error_never_nan_or_inf(dtype, alpha):
+    """lambda_a = alpha lq + (1 - alpha) lp > 0 by a few ulps while the log argument (1 - alpha) expm1(log lp - log lq)
+    has rounded to <= -1: without the guard the divergence came out NaN (float64) or inf (float32)."""
+    from common.divergences import AlphaRenyi
+    from common.errors import DivergenceUndefinedError
+    from common.families import MeanFieldGaussian
+
+    g = torch.Generator().manual_seed(0)
+    lq = torch.exp(torch.empty(200_000, dtype=torch.float64).uniform_(-5, 5, generator=g)).to(dtype)
+    lp = (alpha / (alpha - 1.0)) * lq
+    lp = lp * (1 + torch.randint(-8, 9, lq.shape, generator=g).to(dtype) * torch.finfo(dtype).eps)
+    lam_a = alpha * lq + (1.0 - alpha) * lp
+    t = torch.log(lp) - torch.log(lq)
+    arg = (1.0 - alpha) * torch.expm1(t) if alpha >= 0.5 else alpha * torch.expm1(-t)
+    hits = ((lam_a > 0) & ~(arg > -1.0)).nonzero().flatten()
+    assert len(hits) > 0  # the boundary is reachable
+    for i in hits[:5].tolist():
+        q = MeanFieldGaussian({"x": torch.zeros(1, dtype=dtype)}, {"x": -0.5 * lq[i:i + 1]})
+        p = MeanFieldGaussian({"x": torch.zeros(1, dtype=dtype)}, {"x": -0.5 * lp[i:i + 1]})
+        with pytest.raises(DivergenceUndefinedError):
+            AlphaRenyi(alpha)(q, p)

@@ -232,7 +232,11 @@ def test_local_reparam_and_weight_sampling_estimate_the_same_objective():
     cfg = LocalGVIConfig(n_samples=2000, batch_size=96)
     lr = gvi_objective(model, loss, div, prior, x, y, q, cfg)
     ws = gvi_objective(model, loss, div, prior, x, y, q, LocalGVIConfig(n_samples=2000, batch_size=96, local_reparam=False))
-    assert abs(lr - ws) < 2e-3 * abs(lr)
+    # the expected losses, without the KL term both share (1126 of the 1205): compared in the whole objective at 2e-3,
+    # a head without its output-layer noise passed (expected loss 2.2 % off, objective 0.14 %; stop-30 audit); the
+    # Monte Carlo difference of the expected losses was 4e-6 to 2.9e-3 relative over four seeds
+    kl = float(div(q, prior))
+    assert abs((lr - kl) - (ws - kl)) < 1e-2 * abs(ws - kl)
 
 
 def test_bnn_early_stopping_restores_the_best_state():

@@ -381,3 +381,23 @@ def test_evaluate_metrics_outside_their_range_are_left_out_of_the_pooled_values(
     assert (out["client-accuracy"], out["client-brier"], out["client-ece"]) == (0.7, 0.3, 0.1)
     assert out["client-nll"] == pytest.approx(0.7)  # in range: pooled
     assert any("'accuracy'" in w and "'brier'" in w and "'ece'" in w and "outside" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("kind, says", [("nan", "non-finite"), ("shape", "shape"), ("improper", "improper")])
+def test_a_rejected_delta_is_logged_with_its_client_and_reason(monkeypatch, kind, says):
+    """The issue asks for a rejection "with a logged reason": the tests checked only strategy.rejections, so a
+    silenced warning went unnoticed (stop-30 audit)."""
+    import strategies.pgvi as pgvi_module
+
+    logged: list[str] = []
+    real = pgvi_module.log
+
+    def record(level, msg, *args):
+        if level == pgvi_module.WARNING:
+            logged.append(msg % args if args else msg)
+        real(level, msg, *args)
+
+    monkeypatch.setattr(pgvi_module, "log", record)
+    run({"schedule": "synchronous", "num-server-rounds": 2}, reply_hook=_tamper(kind))
+    rejected = [w for w in logged if "rejected update from client 'site-1'" in w]
+    assert len(rejected) == 1 and says in rejected[0].lower(), logged
