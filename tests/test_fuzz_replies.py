@@ -120,6 +120,8 @@ def snapshot(s: PGVIStrategy) -> dict:
         "tags": dict(s.ledger_tags),
         "resync": set(s.resync),
         "n_rejections": len(s.rejections),
+        # a reply claiming another client id makes the server forget its node's id until it asks again (stop 30)
+        "node_client": dict(s.node_client),
     }
 
 
@@ -217,16 +219,17 @@ def check_batch(s: PGVIStrategy, before: dict, replies: list[Message], stats: Ro
     assert s.state.sites.keys() == before["sites"].keys()
     # an applied client is resynced only if it sent another reply in the batch: the rejected duplicate may be the
     # Delta it staged (a re-executed message), so the server resends its ledger site
-    replied = Counter(s.node_client.get(m.metadata.src_node_id) for m in replies if not m.has_error())
+    node_client = before["node_client"]  # the ids the batch was decoded with
+    replied = Counter(node_client.get(m.metadata.src_node_id) for m in replies if not m.has_error())
     assert not ({c for c in applied if replied[c] < 2} & s.resync)
     now = snapshot(s)
     for c in now["sites"]:
         if c not in applied:
             assert _same(now["sites"][c], before["sites"][c]), f"site of {c} changed without an update"
     # each applied site moved by exactly a Delta that its node sent in this batch
-    nodes = {n for n, c in s.node_client.items() if c in applied}
+    nodes = {n for n, c in node_client.items() if c in applied}
     for c in applied:
-        node = next(n for n in nodes if s.node_client[n] == c)
+        node = next(n for n in nodes if node_client[n] == c)
         site_before = {k: torch.as_tensor(v) for k, v in before["sites"][c].items()}
         site_now = s.state.sites[c].params
         for i, m in enumerate(replies):
