@@ -648,7 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m client.warm_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", required=True,
                     help="Unix socket path; its directory is created 0700 if missing, else must be private to this user")
-    ap.add_argument("--torch-threads", type=_torch_threads, default=1, help="torch threads (a request's node config overrides it)")
+    ap.add_argument("--torch-threads", type=_torch_threads, default=1,
+                    help="torch threads until the first request; each request then runs with its node config's "
+                         "torch-threads, else the run config's (0 there: 1)")
     ap.add_argument("--handshake-timeout-s", type=_handshake_seconds, default=HANDSHAKE_TIMEOUT_S,
                     help="drop a peer that does not complete the authentication handshake within this time "
                          f"(default {HANDSHAKE_TIMEOUT_S:g}, at most {MAX_HANDSHAKE_TIMEOUT_S:g})")

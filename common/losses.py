@@ -405,11 +405,10 @@ class ScoreMatchingLoss(Loss):
         w, grad_w = self.weights(residual, sigma)  # (B,), (B, D)
         d = y.shape[-1]
         e = y.unsqueeze(0) - out.mean  # (S, B, D)
-        s2 = sigma * sigma
-        w2 = w * w
-        quad = w2 * (e * e).sum(-1) / (s2 * s2)
-        cross = -4.0 * w * (grad_w * e).sum(-1) / s2
-        const = -2.0 * d * w2 / s2
+        u = w / (sigma * sigma)  # (w / sigma^2)^2, not w^2 / sigma^4 (out of float32's range): as models.py's quadratic
+        quad = u * u * (e * e).sum(-1)
+        cross = -4.0 * u * (grad_w * e).sum(-1)
+        const = -2.0 * d * w * u
         return quad + cross + const
 
     def quadratic(self, model, x, y, reference_theta=None):  # type: ignore[no-untyped-def]

@@ -420,11 +420,11 @@ class PGVIStrategy(Strategy):
                 m = dict(msg.content[P.METRICS])
                 count = m.get("num-examples", 0.0)
                 values = {k: _metric_number(v) for k, v in m.items() if k != "num-examples"}
-            except Exception as err:
+                why = _train_metric_problem("num-examples", count)  # a whole number in [0, 2^53], as a train reply's
+            except Exception as err:  # e.g. an int too large for a float (10**400: a MetricRecord takes it)
                 log(WARNING, "round %d: evaluate reply from node %d skipped: %s", server_round,
                     msg.metadata.src_node_id, f"{type(err).__name__}: {err}")
                 continue
-            why = _train_metric_problem("num-examples", count)  # a whole number in [0, 2^53], as in a train reply
             if why is not None or float(count) == 0.0:  # (1e308 twice overflowed the pooling's sum of counts)
                 if why is not None:
                     log(WARNING, "round %d: evaluate reply from node %d skipped: 'num-examples' %s", server_round,
@@ -896,7 +896,7 @@ class PGVIStrategy(Strategy):
                 busy.discard(node)
                 resolved += sent_version >= 0  # a duplicate or unsolicited reply resolves no message
                 if rnd > num_rounds:  # the last round closed earlier in this batch
-                    for d in self._decode_replies(rnd, [reply], RoundStats()):
+                    for d in self._decode_replies(rnd, [reply], RoundStats(), charge=False):
                         self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
                     continue
                 failed, applied = stats.failed, stats.applied
@@ -941,7 +941,7 @@ class PGVIStrategy(Strategy):
         if inflight:
             late = self._collect(grid, {mid: v[0] for mid, v in inflight.items()}, min(timeout, 5.0))
             for reply in late:
-                for d in self._decode_replies(rnd, [reply], RoundStats()):
+                for d in self._decode_replies(rnd, [reply], RoundStats(), charge=False):
                     self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
 
     # =============================================================================================
@@ -1284,6 +1284,10 @@ class PGVIStrategy(Strategy):
                     self._requery.pop(node, None)
                     self._reject(rnd, cid, node, f"reply claims client id {_short(reported)} but node {node} was "
                                  f"'{cid}': the node is asked who it is", stats, bad=False)
+                    if self.ledger_versions.get(cid, 0):
+                        log(WARNING, "client '%s' (node %d until now) keeps its site (%d applied updates) in the "
+                            "posterior: if the node's data now stands behind another client id, it counts twice",
+                            cid, node, self.ledger_versions[cid])
                     continue
                 if status == P.STATUS_RESYNC:
                     stats.resync += 1

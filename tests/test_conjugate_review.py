@@ -90,3 +90,19 @@ def test_likelihood_sigma_must_leave_sigma_squared_a_normal_float_of_the_dtype(d
         with pytest.raises(ConfigError, match="likelihood-sigma: with dtype"):
             parse_run_config(raw)
     assert parse_run_config({"likelihood-sigma": 1e30}).likelihood_sigma == 1e30  # unused by a classifier
+
+
+@pytest.mark.parametrize("scale", [1e10, 1e-12])
+def test_float32_score_matching_loss_values_do_not_overflow_at_large_or_small_units(scale):
+    """The per-point loss (the Monte Carlo path) still formed w^2 / sigma^4: NaN in float32 at sigma 1e10 and 1e-12,
+    both accepted by the likelihood-sigma check; the closed form gave 3 (stop-30 diff review)."""
+    from common.losses import ScoreMatchingLoss
+    from common.models import GaussianLocationModel
+
+    model = GaussianLocationModel(1, sigma=scale)
+    y = torch.tensor([[3.0 * scale], [-1.0 * scale]], dtype=torch.float32)
+    theta = {"theta": torch.zeros(1, 1, dtype=torch.float32)}
+    loss = ScoreMatchingLoss(weight="constant")
+    per_point = loss(model.output(theta, None), y).sum()
+    closed = loss.quadratic(model, None, y).value(theta["theta"][0])
+    assert torch.isfinite(per_point) and float(per_point) == pytest.approx(float(closed), rel=1e-5)

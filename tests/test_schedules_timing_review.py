@@ -20,6 +20,7 @@ import time
 
 import httpx
 import numpy as np
+import torch
 import pytest
 from flwr.app import Context, RecordDict
 
@@ -194,3 +195,40 @@ def test_asynchronous_updates_of_one_client_in_one_round_draw_different_seeds(mo
     rounds = [(stream, step >> 32 if step >= 1 << 32 else step) for stream, step in seeds]
     assert len(rounds) > len(set(rounds))  # some client did compute two updates in one round
     assert len(seeds) == len(set(seeds)), seeds
+
+
+# ============================================================================================ after the last round
+def test_an_invalid_reply_after_the_last_round_changes_nothing_recorded():
+    """Asynchronous: a malformed reply collected after the last round was charged, so with max-bad-replies 1 and
+    exclusion-removes-site its client's site was divided out of the posterior after the last round's row and
+    checkpoint: posterior.npz and the summary then disagreed with metrics.jsonl (stop-30 diff review)."""
+    over = {"schedule": "asynchronous", "num-server-rounds": 2, "round-timeout-s": 5.0, "damping": 0.5,
+            "max-bad-replies": 1, "max-staleness": 10, "exclusion-removes-site": True}
+    cfg, strategy, grid = _setup(over, grid_cls=_ReadyAfter, faults={2: "nan@2"}, resend_first=0.01, resend_max=0.02)
+    grid.delay = {"site-0": 0.1, "site-1": 0.1, "site-2": 0.25}
+    recorded = {}
+    strategy.on_round_end = lambda rnd, row: recorded.update(
+        {rnd: {k: v.clone() for k, v in strategy.state.posterior.params.items()}})
+    strategy.start(grid)
+    final = strategy.state.posterior.params
+    assert strategy.round_completed == 2 and strategy.bad_replies == {}
+    assert all(torch.equal(recorded[2][k], final[k]) for k in final)
+
+
+def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch):
+    import strategies.pgvi as pgvi_module
+
+    logged: list[str] = []
+    monkeypatch.setattr(pgvi_module, "log", lambda level, msg, *a: logged.append(msg % a if a else msg))
+    cfg, strategy, grid = _setup({"num-server-rounds": 3})
+
+    def rename_after_round_1(rnd, row):
+        if rnd == 1:
+            node = next(n for n, c in grid.contexts.items() if c.node_config["client-id"] == "site-0")
+            config = dict(grid.contexts[node].node_config, **{"client-id": "site-0-renamed"})
+            grid.contexts[node] = Context(1, node, config, RecordDict(), grid.run_config)
+
+    strategy.on_round_end = rename_after_round_1
+    strategy.start(grid)
+    assert any("client 'site-0'" in w and "keeps its site (1 applied updates)" in w and "counts twice" in w
+               for w in logged), logged

@@ -401,3 +401,12 @@ def test_a_rejected_delta_is_logged_with_its_client_and_reason(monkeypatch, kind
     run({"schedule": "synchronous", "num-server-rounds": 2}, reply_hook=_tamper(kind))
     rejected = [w for w in logged if "rejected update from client 'site-1'" in w]
     assert len(rejected) == 1 and says in rejected[0].lower(), logged
+
+
+def test_an_evaluate_reply_whose_count_is_too_large_for_a_float_is_skipped_not_a_crash(monkeypatch):
+    """10**400 (a MetricRecord takes it) raised OverflowError out of aggregate_evaluate (a regression of 73fb6ae)."""
+    strategy = PGVIStrategy(build_problem(parse_run_config({})))
+    monkeypatch.setattr("strategies.pgvi.log", lambda *a: None)
+    out = dict(strategy.aggregate_evaluate(1, [_EvalReply({"num-examples": 10**400, "accuracy": 0.9}, 1),
+                                               _EvalReply({"num-examples": 100.0, "accuracy": 0.7}, 0)]))
+    assert out["client-accuracy"] == 0.7 and out["client-num-examples"] == 100.0
