@@ -2,13 +2,16 @@
 
 ``InProcessGrid`` implements Flower's ``Grid``: pushing a message calls the ClientApp synchronously with
 that node's persistent ``Context`` and queues the reply (an exception becomes an error reply, as on a
-SuperNode).  Hooks let tests lose, duplicate or tamper with replies and take nodes offline.  It is the
+SuperNode).  Hooks let tests lose, duplicate or tamper with replies, take nodes offline (``remove_node``: no
+longer listed, so never sent anything) and kill them (``kill_node``: dead but listed, as a SIGKILLed SuperNode
+is for the SuperLink until its heartbeat expires: messages to it are accepted and never answered).  It is the
 fastest way to run PGVI end to end and the reference for parity with simulation and deployment.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from uuid import uuid4
 
@@ -42,6 +45,8 @@ class InProcessGrid(Grid):
         self._ids = itertools.count(1000)
         self.contexts: dict[int, Context] = {}
         self.offline: set[int] = set()
+        self.dead: set[int] = set()
+        self.dead_messages: list[tuple[float, Message]] = []  # (push time, message) pushed to a dead node, unanswered
         self._replies: dict[str, Message] = {}
         self.bytes_to_clients = 0
         for nc in node_configs:
@@ -55,7 +60,16 @@ class InProcessGrid(Grid):
         return node_id
 
     def remove_node(self, node_id: int) -> None:
+        """The node leaves the federation: no longer listed by ``get_node_ids``, so the server sends it nothing."""
         self.offline.add(node_id)
+
+    def kill_node(self, node_id: int) -> None:
+        """The node dies but stays listed, like a SIGKILLed SuperNode that the SuperLink lists until its heartbeat
+        expires (some 40-60 s in Flower 1.39): it is still in ``get_node_ids``, a message pushed to it gets an id and
+        is recorded in ``dead_messages``, and no reply to it ever comes, so the server must time it out."""
+        if node_id not in self.contexts:
+            raise KeyError(f"no node {node_id}")
+        self.dead.add(node_id)
 
     # Grid API -----------------------------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001 - flwr's Run
@@ -81,6 +95,9 @@ class InProcessGrid(Grid):
             msg.metadata.__dict__["_message_id"] = mid
             ids.append(mid)
             node = msg.metadata.dst_node_id
+            if node in self.dead:  # accepted, never delivered: the server times it out
+                self.dead_messages.append((time.time(), msg))
+                continue
             if node in self.offline or node not in self.contexts:
                 continue  # lost: the node is gone; the server times out
             self.bytes_to_clients += sum(r.count_bytes() for r in msg.content.array_records.values())

@@ -3,7 +3,8 @@ with the defaults of ``Deployment``: TLS on (certificates made by scripts/pki.py
 authentication on (one key pair per node, registered before the node starts), gRPC Fleet API; the app
 launched with ``flwr run``.
 
-Parity with the in-process run and the closed form (conjugate model), a SuperNode with an unregistered
+Parity with the in-process run and the independent closed form (conjugate model; NLL + KL and constant-weight
+score matching + weighted KL, synchronous and sequential), a SuperNode with an unregistered
 key refused while the registered ones run, and a client killed mid-run.
 """
 
@@ -20,7 +21,7 @@ import pytest
 from common.config import parse_run_config
 from scripts import pki
 from scripts.deploy import Deployment, find_free_ports, free_port_kwargs
-from strategies.reference import exact_posterior, expected_posterior, max_natural_diff
+from strategies.reference import exact_posterior, expected_posterior, has_textbook_form, max_natural_diff
 from tests.test_inprocess import BASE, run
 
 pytestmark = pytest.mark.slow
@@ -51,10 +52,24 @@ def _run(dep: Deployment, overrides: dict, out_dir) -> tuple[dict, dict]:
     return post, summary
 
 
-@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
-def test_deployment_matches_inprocess_and_closed_form(deployment, schedule, tmp_path):
-    post, summary = _run(deployment, {"schedule": schedule}, tmp_path)
-    cfg, strategy, _ = run({"schedule": schedule, "dtype": "float64", "num-server-rounds": 3})
+# score matching with the constant weight and D = (1/w) KL has a textbook closed form (strategies/reference.py)
+SM_CONST_WKL = {"loss": "score_matching", "sm-weight": "constant", "divergence": "weighted_kl", "divergence-w": 0.7}
+PARITY_CASES = {
+    "sync-nll": {"schedule": "synchronous"},
+    "seq-nll": {"schedule": "sequential"},
+    "sync-sm-const-wkl": {"schedule": "synchronous", **SM_CONST_WKL},
+    "seq-sm-const-wkl": {"schedule": "sequential", **SM_CONST_WKL, "loss-weight": 1.5},
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES))
+def test_deployment_matches_inprocess_and_closed_form(deployment, case, tmp_path):
+    """One ``flwr run`` per case on the module's deployment; the posterior equals the in-process run's and the
+    independent closed form of the ledger reached, to 1e-6."""
+    overrides = PARITY_CASES[case]
+    post, summary = _run(deployment, overrides, tmp_path)
+    cfg, strategy, _ = run({**overrides, "dtype": "float64", "num-server-rounds": 3})
+    assert has_textbook_form(cfg)
     assert summary["ledger-versions"] == strategy.ledger_versions
     for k, v in strategy.state.posterior.to_numpy().items():
         np.testing.assert_allclose(post[k], v, rtol=0, atol=1e-6 * max(1.0, float(np.abs(v).max())))
