@@ -387,17 +387,9 @@ def test_evaluate_metrics_outside_their_range_are_left_out_of_the_pooled_values(
 def test_a_rejected_delta_is_logged_with_its_client_and_reason(monkeypatch, kind, says):
     """The issue asks for a rejection "with a logged reason": the tests checked only strategy.rejections, so a
     silenced warning went unnoticed (stop-30 audit)."""
-    import strategies.pgvi as pgvi_module
+    from tests.test_schedules_review import _warnings
 
-    logged: list[str] = []
-    real = pgvi_module.log
-
-    def record(level, msg, *args):
-        if level == pgvi_module.WARNING:
-            logged.append(msg % args if args else msg)
-        real(level, msg, *args)
-
-    monkeypatch.setattr(pgvi_module, "log", record)
+    logged = _warnings(monkeypatch)
     run({"schedule": "synchronous", "num-server-rounds": 2}, reply_hook=_tamper(kind))
     rejected = [w for w in logged if "rejected update from client 'site-1'" in w]
     assert len(rejected) == 1 and says in rejected[0].lower(), logged
