@@ -9,8 +9,8 @@ computation runs either here (``client.pgvi_client`` is imported on the first tr
 when the node config names one, in the node's warm compute worker (``client/warm_worker.py``), which keeps
 torch, the data shard and the problem loaded across messages.
 
-Node config keys: ``partition-id`` (a whole number in ``[0, num-clients)``), ``num-partitions`` (if given, equal
-to the run's ``num-clients``), ``client-id`` (stable id, default ``site-<partition-id>``),
+Node config keys: ``partition-id`` (a whole number in ``[0, num-clients)``; required when ``num-clients`` > 1),
+``num-partitions`` (if given, equal to the run's ``num-clients``), ``client-id`` (stable id, default ``site-<partition-id>``),
 ``state-dir`` (durable client state; default: kept in the SuperNode's memory for the run),
 ``torch-threads`` (a whole number in [1, 1024]; default: the run config's ``torch-threads``, 0 there meaning 1), ``batch-size`` (overrides the run config's, for small devices),
 ``compute-worker`` (path of the node's warm worker socket; default: compute in the ClientApp process),

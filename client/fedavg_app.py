@@ -40,6 +40,9 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit,
     if "num-partitions" in nc and whole_number(nc, "num-partitions", 0) != cfg.num_clients:
         raise ValueError(f"node config num-partitions={nc['num-partitions']} disagrees with run config "
                          f"num-clients={cfg.num_clients}")
+    if "partition-id" not in nc and cfg.num_clients > 1:  # as the PGVI client: else every such node trained partition 0
+        raise ValueError(f"node config partition-id is missing: with num-clients={cfg.num_clients} each node must say "
+                         "which partition it holds")
     partition_id = whole_number(nc, "partition-id", 0)
     configure_threads(whole_number(nc, "torch-threads", cfg.torch_threads or 1))
     hidden = baseline_hidden_sizes(cfg)  # ConfigError for a model that is not a classifier

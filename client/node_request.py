@@ -103,6 +103,10 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
     from common.config import MAX_TORCH_THREADS, ConfigError, parse_run_config
 
     cfg = parse_run_config(dict(run_config))
+    if "partition-id" not in node_config and cfg.num_clients > 1:  # else it trained partition 0, as every such node
+        raise PGVIError(f"node config partition-id is missing: with num-clients={cfg.num_clients} each node must say "
+                        "which partition it holds (Flower's simulation sets it; deploy.py, the compose file and "
+                        "docs/edge.md give it)")
     partition_id = whole_number(node_config, "partition-id", 0)
     if "num-partitions" in node_config and whole_number(node_config, "num-partitions", 0) != cfg.num_clients:
         raise PGVIError(

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
@@ -195,3 +196,23 @@ def test_a_state_dir_the_client_cannot_write_fails_the_identity_query(tmp_path):
     reply = _query(fine)
     assert not reply.has_error() and dict(reply.content[P.CONFIG])["client-id"] == "site-0"
     assert (tmp_path / "new" / "state").is_dir() and list((tmp_path / "new" / "state").iterdir()) == []
+
+
+def test_a_node_without_partition_id_fails_the_identity_query_when_the_run_has_several_clients():
+    """Without partition-id a node trained partition 0, whatever its client-id: two such nodes (or one with
+    client-id site-3) held the same data without a word (stop 30). With one client, partition 0 is the only one."""
+    nc = {"client-id": "site-3", "num-partitions": 3}
+    with pytest.raises(PGVIError, match="node config partition-id is missing: with num-clients=3"):
+        node_run_config(RAW, nc)
+    assert "node config partition-id is missing" in _query_error(nc)
+    one = {**RAW, "num-clients": 1, "min-clients": 1}
+    assert node_run_config(one, {"client-id": "solo"})[1] == 0
+
+
+def test_a_fedavg_node_without_partition_id_is_refused_when_the_run_has_several_clients():
+    from client import fedavg_app
+
+    msg = SimpleNamespace(content={})
+    context = SimpleNamespace(run_config=RAW, node_config={"num-partitions": 3})
+    with pytest.raises(ValueError, match="node config partition-id is missing"):
+        fedavg_app._setup(msg, context)

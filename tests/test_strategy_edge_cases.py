@@ -264,9 +264,9 @@ def test_a_bad_node_batch_size_fails_at_identification_not_in_training(bad):
     from client.node_request import node_run_config
     from common.errors import PGVIError
 
-    assert node_run_config({}, {"batch-size": 64})[0].batch_size == 64
+    assert node_run_config({}, {"partition-id": 0, "batch-size": 64})[0].batch_size == 64
     with pytest.raises(PGVIError, match="node config batch-size"):
-        node_run_config({}, {"batch-size": bad})
+        node_run_config({}, {"partition-id": 0, "batch-size": bad})
 
 
 @pytest.mark.parametrize("schedule", ["synchronous", "sequential", "asynchronous"])

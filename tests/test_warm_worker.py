@@ -102,7 +102,7 @@ def test_client_app_module_defers_the_config_models():
     # a train or evaluate message's ClientApp process does not build the run config's pydantic models (~6 ms of
     # CPU per message); a query message's does, on its first call of node_run_config
     code = ("import sys, client.app; assert 'common.config' not in sys.modules; "
-            "from client.node_request import node_run_config; node_run_config({}, {}); "
+            "from client.node_request import node_run_config; node_run_config({}, {'partition-id': 0}); "
             "assert 'common.config' in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
