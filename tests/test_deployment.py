@@ -22,7 +22,7 @@ from common.config import parse_run_config
 from scripts import pki
 from scripts.deploy import Deployment, find_free_ports, free_port_kwargs
 from strategies.reference import exact_posterior, expected_posterior, has_textbook_form, max_natural_diff
-from tests.test_inprocess import BASE, run
+from tests.test_inprocess import BASE, TEXTBOOK_PARITY_CASES, run
 
 pytestmark = pytest.mark.slow
 
@@ -52,21 +52,11 @@ def _run(dep: Deployment, overrides: dict, out_dir) -> tuple[dict, dict]:
     return post, summary
 
 
-# score matching with the constant weight and D = (1/w) KL has a textbook closed form (strategies/reference.py)
-SM_CONST_WKL = {"loss": "score_matching", "sm-weight": "constant", "divergence": "weighted_kl", "divergence-w": 0.7}
-PARITY_CASES = {
-    "sync-nll": {"schedule": "synchronous"},
-    "seq-nll": {"schedule": "sequential"},
-    "sync-sm-const-wkl": {"schedule": "synchronous", **SM_CONST_WKL},
-    "seq-sm-const-wkl": {"schedule": "sequential", **SM_CONST_WKL, "loss-weight": 1.5},
-}
-
-
-@pytest.mark.parametrize("case", list(PARITY_CASES))
+@pytest.mark.parametrize("case", list(TEXTBOOK_PARITY_CASES))
 def test_deployment_matches_inprocess_and_closed_form(deployment, case, tmp_path):
     """One ``flwr run`` per case on the module's deployment; the posterior equals the in-process run's and the
     independent closed form of the ledger reached, to 1e-6."""
-    overrides = PARITY_CASES[case]
+    overrides = TEXTBOOK_PARITY_CASES[case]
     post, summary = _run(deployment, overrides, tmp_path)
     cfg, strategy, _ = run({**overrides, "dtype": "float64", "num-server-rounds": 3})
     assert has_textbook_form(cfg)

@@ -36,6 +36,17 @@ BASE = {
     "round-timeout-s": 5,
 }
 
+# the conjugate parity cases with a textbook closed form (strategies/reference.py), run by the simulation and the
+# real deployment (tests/test_simulation.py, tests/test_deployment.py): score matching with the constant weight
+# (beta_w = sigma / sqrt(2)) and D = (1/w) KL beside NLL + KL, for both deterministic schedules
+SM_CONST_WKL = {"loss": "score_matching", "sm-weight": "constant", "divergence": "weighted_kl", "divergence-w": 0.7}
+TEXTBOOK_PARITY_CASES = {
+    "sync-nll": {"schedule": "synchronous"},
+    "seq-nll": {"schedule": "sequential"},
+    "sync-sm-const-wkl": {"schedule": "synchronous", **SM_CONST_WKL},
+    "seq-sm-const-wkl": {"schedule": "sequential", **SM_CONST_WKL, "loss-weight": 1.5},
+}
+
 
 def run(overrides: dict | None = None, reply_hook=None, between_rounds=None):
     raw = {**BASE, **(overrides or {})}

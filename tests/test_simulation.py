@@ -10,19 +10,12 @@ import pytest
 from common.config import parse_run_config
 from scripts.simulate import pick_run, run_simulation
 from strategies.reference import expected_posterior, has_textbook_form, max_natural_diff
-from tests.test_inprocess import BASE, run
+from tests.test_inprocess import BASE, TEXTBOOK_PARITY_CASES, run
 
 pytestmark = pytest.mark.slow
 
-# score matching with the constant weight (beta_w = sigma / sqrt(2)) and D = (1/w) KL: the sites have a textbook
-# closed form (strategies/reference.py), so these runs are checked against the independent oracle
-SM_CONST_WKL = {"loss": "score_matching", "sm-weight": "constant", "divergence": "weighted_kl", "divergence-w": 0.7}
-
 CASES = {
-    "sync-nll": {"schedule": "synchronous"},
-    "seq-nll": {"schedule": "sequential"},
-    "sync-sm-const-wkl": {"schedule": "synchronous", **SM_CONST_WKL},
-    "seq-sm-const-wkl": {"schedule": "sequential", **SM_CONST_WKL, "loss-weight": 1.5},
+    **TEXTBOOK_PARITY_CASES,  # checked against the independent oracle as well as the in-process run
     # IMQ weights have no textbook closed form: parity with the in-process run only
     "sync-sm-imq-wkl": {"schedule": "synchronous", "loss": "score_matching", "sm-weight": "imq", "divergence": "weighted_kl", "divergence-w": 0.7},
 }
