@@ -289,8 +289,23 @@ def _parse_header(meta: dict) -> dict[str, Any]:
         "rejections": list(_listed(meta["rejections"], "rejections")),
         # exclusions survive a resume
         "bad_replies": {str(k): int(v) for k, v in _str_keyed(meta.get("bad-replies", {}), "bad-replies").items()},
-        "history": list(_listed(meta["history"], "history")),
+        "history": _history(meta["history"], round_completed),
     }
+
+
+def _history(value: object, round_completed: int) -> list[dict]:
+    """The checkpoint's round rows: objects whose ``round`` is a whole number, increasing, at most
+    ``round-completed`` (a resumed run replays them into its records before round 1)."""
+    rows = _listed(value, "history")
+    last = -1
+    for row in rows:
+        rnd = row.get("round") if isinstance(row, dict) else None
+        if isinstance(rnd, bool) or not isinstance(rnd, (int, float)) or rnd != int(rnd) \
+                or not last < rnd <= round_completed:
+            raise ValueError(f"'history' has a row {_cut(repr(row))} that is not an object with a whole 'round' "
+                             f"after {last} and at most round-completed {round_completed}")
+        last = int(rnd)
+    return list(rows)
 
 
 def _invariant_tolerance(global_site: GaussianFactor, sites: dict[str, GaussianFactor],

@@ -1226,7 +1226,13 @@ class PGVIStrategy(Strategy):
     def _remove_site(self, client_id: str) -> None:
         """Divide an excluded client's site out of the posterior: its earlier, accepted updates came from the
         same client and are no longer trusted.  Its ledger version returns to 0 (the uniform site), so were it
-        ever contacted again it would be resynchronised to that."""
+        ever contacted again it would be resynchronised to that.
+
+        Sequential and asynchronous runs checkpoint the removal at once (the next message may carry the new
+        posterior).  A synchronous round does not: its checkpoints record whole rounds (the round's applied batch,
+        then its end), and no client sees the removal before one of them is written; a checkpoint here would hold
+        half a round's replies (their rejections and bad-reply counts) with the round still unapplied, and the
+        resumed run would send the round again and count those replies twice."""
         if self.ledger_versions.get(client_id, 0) == 0:
             return
         try:
@@ -1239,7 +1245,8 @@ class PGVIStrategy(Strategy):
         self.ledger_versions[client_id] = 0
         self.ledger_tags.pop(client_id, None)  # the uniform site: no update behind it
         self.resync.add(client_id)
-        self._checkpoint()
+        if self.cfg.schedule != "synchronous":
+            self._checkpoint()
 
     def _decode_replies(self, rnd: int, replies: Iterable[Message], stats: RoundStats,
                         failed_nodes: set[int] | None = None, charge: bool = True) -> list[Reply]:
