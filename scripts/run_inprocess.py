@@ -42,9 +42,10 @@ def run(raw: dict, out: Path):
 def run_fedavg_baseline(raw: dict, out: Path):
     from client.fedavg_app import app as fedavg_client_app
     from common.problem import load_full_data
+    from server.fedavg_app import prepare_fedavg
     from strategies.fedavg_baseline import run_fedavg
 
-    cfg, _ = prepare(raw)
+    cfg = prepare_fedavg(raw)
     nodes = [{"partition-id": m, "num-partitions": cfg.num_clients} for m in range(cfg.num_clients)]
     grid = InProcessGrid(fedavg_client_app, nodes, raw)
     return run_fedavg(grid, cfg, load_full_data(cfg), out)

@@ -4,12 +4,18 @@
     (their rejections and bad-reply counts) with the round unapplied; the resumed run sent the round again and
     counted those replies twice (an honest-but-once-bad client was excluded, its site divided out);
 (4) a checkpoint whose history rows are not round rows is a ``CheckpointMismatch`` when it is loaded, not a crash
-    of the resumed run's start.
+    of the resumed run's start;
+(3) the FedAvg baseline, which writes no checkpoint, refuses a ``resume`` directory before round 1 (it ran a fresh
+    run and exited 0).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +27,14 @@ from common.atomic_io import atomic_save_npz, load_npz
 from common.config import ConfigError, parse_run_config
 from common.problem import build_problem
 from server.app import prepare
+from server.fedavg_app import prepare_fedavg
 from strategies.checkpoint import CHECKPOINT_FILE, CheckpointMismatch, load_checkpoint
 from strategies.inprocess import InProcessGrid
 from strategies.pgvi import PGVIStrategy
 from tests.test_inprocess import BASE, client_sites
 from tests.wire import record_arrays, set_record_arrays
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _Crash(Exception):
@@ -117,3 +126,27 @@ def test_damaged_history_rows_are_a_checkpoint_mismatch(tmp_path: Path, history:
         load_checkpoint(PGVIStrategy(build_problem(cfg)), damaged)
     with pytest.raises(ConfigError, match="invalid run config: resume: .*'history' has a row"):
         prepare({**raw, "resume": str(damaged), "num-server-rounds": 2})  # before any record is written
+
+
+def test_the_fedavg_baseline_refuses_resume_before_round_1(tmp_path: Path) -> None:
+    # run_inprocess.py --method fedavg with -c resume=<a PGVI run> exited 0 after a fresh run from round 1 (the
+    # baseline never reads or writes a checkpoint) and recorded the resume key in its run_config.json
+    raw, cfg, nodes = _setup({"num-server-rounds": 1})
+    PGVIStrategy(build_problem(cfg), poll_interval=0.0, checkpoint_dir=tmp_path / "pgvi").start(
+        InProcessGrid(client_app, nodes, raw))
+    fedavg = {"model": "logistic_regression", "dataset": "digits", "num-clients": 2, "min-clients": 2,
+              "num-server-rounds": 1, "fedavg-local-epochs": 1, "label-noise": 0.0, "torch-threads": 1}
+    with pytest.raises(ConfigError, match="invalid run config: resume: the FedAvg baseline writes no checkpoint"):
+        prepare_fedavg({**fedavg, "resume": str(tmp_path / "pgvi")})
+    assert prepare_fedavg(fedavg).resume == ""  # without it the same config passes
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1"}
+    overrides = [arg for key, value in {**fedavg, "resume": str(tmp_path / "pgvi")}.items()
+                 for arg in ("-c", f"{key}={json.dumps(value)}")]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "run_inprocess.py"), "--method", "fedavg",
+                           *overrides, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode in (1, 2), proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("run_inprocess.py: invalid run config: resume:"), proc.stderr
+    assert not (tmp_path / "out" / "run_config.json").exists()
