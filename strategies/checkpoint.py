@@ -168,6 +168,8 @@ def save_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Pat
         "round-completed": strategy.round_completed,
         "round-applied": strategy.round_applied,
         "done-in-round": sorted(strategy.done_in_round),
+        "async-resolved": strategy.async_resolved,
+        "async-messages": strategy.async_messages,
         "rng": repr(strategy.sampling_state_to_checkpoint()),
         "rejections": strategy.rejections,
         "bad-replies": strategy.bad_replies,
@@ -222,6 +224,8 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     strategy.round_completed = header["round_completed"]
     strategy.round_applied = header["round_applied"]
     strategy.done_in_round = header["done_in_round"]
+    strategy.async_resolved = header["async_resolved"]
+    strategy.async_messages = header["async_messages"]
     strategy.rng.setstate(header["rng_state"])
     strategy.rejections = header["rejections"]
     strategy.bad_replies = header["bad_replies"]
@@ -261,6 +265,12 @@ def _str_keyed(value: object, key: str) -> dict:
     return value
 
 
+def _count(value: object, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"'{key}' holds {_cut(repr(value))}, not a count (a whole number >= 0)")
+    return value
+
+
 def _listed(value: object, key: str) -> list:
     if not isinstance(value, list):
         raise TypeError(f"'{key}' is a {type(value).__name__}, not a list")
@@ -285,6 +295,10 @@ def _parse_header(meta: dict) -> dict[str, Any]:
         # absent from checkpoints written before it existed: resume those as their version did, at round-completed + 1
         "round_applied": max(round_completed, int(meta.get("round-applied", round_completed))),
         "done_in_round": set(_listed(meta["done-in-round"], "done-in-round")),
+        # absent from checkpoints written before they existed: the open asynchronous round starts from nothing
+        "async_resolved": _count(meta.get("async-resolved", 0), "async-resolved"),
+        "async_messages": {str(k): _count(v, "async-messages")
+                           for k, v in _str_keyed(meta.get("async-messages", {}), "async-messages").items()},
         "rng_state": rng_state,
         "rejections": list(_listed(meta["rejections"], "rejections")),
         # exclusions survive a resume

@@ -371,6 +371,11 @@ class PGVIStrategy(Strategy):
         # between the checkpoint of the round's applied batch and the round's record; a resume does not resend it
         self.round_applied = 0
         self.done_in_round: set[str] = set()  # sequential: clients already visited in the current round
+        # asynchronous, the open round (round_completed + 1): outcomes resolved so far, and per client the messages
+        # sent to it (its next one's round-message); checkpointed, so a resumed run neither runs a full round again
+        # nor repeats a client's local seed within the round
+        self.async_resolved = 0
+        self.async_messages: dict[str, int] = {}
         self._rng_round: tuple[int, object] | None = None  # (round, sampling RNG state before it sampled)
         self._failing: set[str] = set()  # clients whose latest outcome failed, nothing applied since
         # asynchronous: client -> (stale rejections since its last applied update, the largest staleness among them)
@@ -654,6 +659,7 @@ class PGVIStrategy(Strategy):
         self.round_completed = rnd
         self.round_applied = max(self.round_applied, rnd)
         self.done_in_round = set()
+        self.async_resolved, self.async_messages = 0, {}
         self._checkpoint()
 
     def _count_timeouts(self, rnd: int, sent: int, replies: list[Message] | None, stats: RoundStats) -> list[Message]:
@@ -818,8 +824,6 @@ class PGVIStrategy(Strategy):
         rnd, stats = self.round_completed + 1, RoundStats()
         deadline = time.time() + timeout * num_rounds
 
-        resolved = 0  # messages of this round that got their outcome (a reply, a failure or a timeout)
-        dispatched: dict[int, int] = {}  # node -> messages sent to it in this round (its next one's round-message)
         poll = self._reply_poll()
         usable: list[int] = []  # the nodes the last dispatch could use (connected, identified, not excluded)
         self._failing = set()
@@ -834,12 +838,10 @@ class PGVIStrategy(Strategy):
             resend_at[node] = (time.time() + backoff.next_wait(), backoff)
 
         def close_if_full(rnd: int, stats: RoundStats) -> tuple[int, RoundStats]:
-            nonlocal resolved, per_round, deadline
-            if rnd > num_rounds or resolved < per_round:
+            nonlocal per_round, deadline
+            if rnd > num_rounds or self.async_resolved < per_round:
                 return rnd, stats
             started = time.time()
-            resolved = 0
-            dispatched.clear()
             result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
             self._close_round(rnd, stats, grid, result, do_client_eval=False)
             self._check_async_progress(rnd, {self.node_client[n] for n in usable if n in self.node_client})
@@ -848,6 +850,8 @@ class PGVIStrategy(Strategy):
             deadline += time.time() - started  # the server's own work (evaluation, record, checkpoint, queries)
             return rnd + 1, RoundStats()
 
+        # resumed from a checkpoint of a full round not yet recorded (a crash while it was being closed): record it
+        rnd, stats = close_if_full(rnd, stats)
         while rnd <= num_rounds:
             if time.time() > deadline:
                 log(WARNING, "asynchronous schedule: overall deadline (round-timeout-s x num-server-rounds = %gs of "
@@ -862,9 +866,10 @@ class PGVIStrategy(Strategy):
             now = time.time()
             free = [n for n in usable if n not in busy and resend_at.get(n, (0.0,))[0] <= now]
             if free:
-                msgs = [self._train_message(n, rnd, dispatched.get(n, 0)) for n in free]
+                msgs = [self._train_message(n, rnd, self.async_messages.get(self.node_client[n], 0)) for n in free]
                 for n in free:
-                    dispatched[n] = dispatched.get(n, 0) + 1
+                    cid = self.node_client[n]
+                    self.async_messages[cid] = self.async_messages.get(cid, 0) + 1
                 with stats.timed("push"):
                     mids = self._runtime("push-messages", lambda: list(grid.push_messages(msgs)),
                                          min(deadline, time.time() + timeout))
@@ -873,7 +878,7 @@ class PGVIStrategy(Strategy):
                     for msg in msgs:  # one outcome at a time: a round closes after exactly per_round outcomes
                         stats.sent += 1
                         stats.failed += 1
-                        resolved += 1
+                        self.async_resolved += 1
                         outcome(msg.metadata.dst_node_id, failed=True)
                         rnd, stats = close_if_full(rnd, stats)
                 else:
@@ -894,7 +899,7 @@ class PGVIStrategy(Strategy):
                 node, _, sent_version = inflight.pop(reply.metadata.reply_to_message_id,
                                                      (reply.metadata.src_node_id, 0.0, -1))
                 busy.discard(node)
-                resolved += sent_version >= 0  # a duplicate or unsolicited reply resolves no message
+                self.async_resolved += sent_version >= 0  # a duplicate or unsolicited reply resolves no message
                 if rnd > num_rounds:  # the last round closed earlier in this batch
                     for d in self._decode_replies(rnd, [reply], RoundStats(), charge=False):
                         self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
@@ -924,7 +929,7 @@ class PGVIStrategy(Strategy):
                     inflight.pop(mid)
                     busy.discard(node)
                     stats.failed += 1
-                    resolved += 1
+                    self.async_resolved += 1
                     outcome(node, failed=True)
                     log(WARNING, "client on node %d timed out after %.3gs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)

@@ -5,6 +5,8 @@
     counted those replies twice (an honest-but-once-bad client was excluded, its site divided out);
 (4) a checkpoint whose history rows are not round rows is a ``CheckpointMismatch`` when it is loaded, not a crash
     of the resumed run's start;
+(2) asynchronous: the open round's progress (outcomes so far, each client's messages) is checkpointed; a resumed
+    run ran the round again from zero outcomes (one update per client too many) and repeated local seeds;
 (3) the FedAvg baseline, which writes no checkpoint, refuses a ``resume`` directory before round 1 (it ran a fresh
     run and exited 0).
 """
@@ -150,3 +152,64 @@ def test_the_fedavg_baseline_refuses_resume_before_round_1(tmp_path: Path) -> No
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("run_inprocess.py: invalid run config: resume:"), proc.stderr
     assert not (tmp_path / "out" / "run_config.json").exists()
+
+
+def test_asynchronous_resume_records_a_full_round_once_and_keeps_its_message_counts(tmp_path: Path) -> None:
+    # killed while round 1 (full: one update of each client applied and checkpointed) was being closed: the resumed
+    # run ran round 1 again from zero outcomes (every client one update more than the uninterrupted run: 15 for
+    # 12), and each client's second round-1 message reused its first's round-message 0, so its local seed
+    raw, cfg, nodes = _setup({"schedule": "asynchronous", "num-server-rounds": 4, "damping": 0.5})
+    ref = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    ref.start(InProcessGrid(client_app, nodes, raw))
+    sent: list[tuple[str, int, int]] = []  # (client, round, round-message) of every train message of both runs
+
+    def hook(request, reply):
+        if request.metadata.message_type == "train":
+            c = request.content[P.CONFIG]
+            sent.append((str(c["client-id"]), int(c["server-round"]), int(c.get(P.ROUND_MESSAGE, 0))))
+        return [reply]
+
+    live, frozen = tmp_path / "live", tmp_path / "frozen"
+    frozen.mkdir()
+    calls = {"n": 0}
+
+    def evaluate_then_die(q):  # noqa: ANN001
+        calls["n"] += 1
+        if calls["n"] == 2:  # round 0's row, then round 1's
+            shutil.copy(live / CHECKPOINT_FILE, frozen / CHECKPOINT_FILE)
+            raise _Crash("killed during round 1's evaluation")
+        return {}
+
+    grid = InProcessGrid(client_app, nodes, raw, reply_hook=hook)
+    first = PGVIStrategy(build_problem(cfg), poll_interval=0.0, server_evaluate=evaluate_then_die, checkpoint_dir=live)
+    with pytest.raises(_Crash):
+        first.start(grid)
+    resumed = PGVIStrategy(build_problem(cfg), poll_interval=0.0, checkpoint_dir=live, resume_from=frozen)
+    resumed.start(grid)
+    assert ref.ledger_versions == {"site-0": 4, "site-1": 4, "site-2": 4}
+    assert resumed.ledger_versions == ref.ledger_versions
+    assert [int(r["round"]) for r in resumed.history] == [0, 1, 2, 3, 4]
+    assert len(sent) == len(set(sent)), sorted(s for s in sent if sent.count(s) > 1)
+    pa, pb = ref.state.posterior.to_numpy(), resumed.state.posterior.to_numpy()
+    for k in pa:  # every update was computed against the same posteriors as in the uninterrupted run
+        np.testing.assert_allclose(pb[k], pa[k], rtol=0, atol=1e-12)
+
+
+def test_asynchronous_progress_is_checkpointed_and_refused_when_damaged(tmp_path: Path) -> None:
+    raw, cfg, nodes = _setup({"schedule": "asynchronous", "num-server-rounds": 2})
+    s = PGVIStrategy(build_problem(cfg), poll_interval=0.0, checkpoint_dir=tmp_path)
+    s.start(InProcessGrid(client_app, nodes, raw))
+    arrays, meta = load_npz(tmp_path / CHECKPOINT_FILE)
+    assert meta["async-resolved"] == 0 and meta["async-messages"] == {}  # the last round was closed
+    for key, value in (("async-resolved", -1), ("async-resolved", True), ("async-messages", {"site-0": 1.5}),
+                       ("async-messages", [1])):
+        damaged = tmp_path / f"{key}-{value!r}"
+        damaged.mkdir()
+        atomic_save_npz(damaged / CHECKPOINT_FILE, arrays, {**meta, key: value})
+        with pytest.raises(CheckpointMismatch, match=f"damaged header: .*'{key}'"):
+            load_checkpoint(PGVIStrategy(build_problem(cfg)), damaged)
+    older = tmp_path / "older"  # a checkpoint written before the keys existed
+    older.mkdir()
+    atomic_save_npz(older / CHECKPOINT_FILE, arrays,
+                    {k: v for k, v in meta.items() if k not in ("async-resolved", "async-messages")})
+    load_checkpoint(PGVIStrategy(build_problem(cfg)), older)

@@ -297,7 +297,8 @@ def _ckpt_strategy(ids, prior, delta):
                            ledger_versions={c: 1 for c in ids}, ledger_tags={c: f"tag-{c}" for c in ids},
                            resync=set(), round_completed=1, round_applied=1, done_in_round=set(),
                            rng=random.Random(0), sampling_state_to_checkpoint=lambda: random.Random(0).getstate(),
-                           rejections=[], bad_replies={}, history=[{"round": 0}], _posterior_record=None)
+                           rejections=[], bad_replies={}, history=[{"round": 0}], _posterior_record=None,
+                           async_resolved=0, async_messages={})
 
 
 def _ckpt_problem():
