@@ -4,7 +4,8 @@ For a Gaussian model with a loss that is exactly quadratic in theta (NLL, or sco
 that do not move) and D = (1/w) KL, the client's local posterior is ``cavity * exp(-w L_m)`` whatever the
 cavity, so its Delta is ``rho * (e_m - t_m)`` with ``e_m = exp(-w L_m)`` the exact site.  Hence, whatever
 the schedule, after ``k`` applied updates of client m its site is ``(1 - (1 - rho)^k) e_m`` (FedGVI Lemma
-4.5); the server posterior is ``prior * prod_m t_m``.
+4.5); with the server divergence KL the server posterior is ``prior * prod_m t_m`` (the posterior functions refuse
+another server divergence).
 
 Independence.  Where a textbook closed form exists, the sites and the prior are computed here with numpy in
 float64 from the raw training data, without the library's losses, models, quadratic forms, factor algebra or
@@ -196,15 +197,28 @@ def exact_sites(cfg: RunConfig) -> dict[str, GaussianFactor]:
     return textbook_sites(cfg) if has_textbook_form(cfg) else library_sites(cfg)
 
 
+def _require_kl_server(cfg: RunConfig) -> None:
+    """The posteriors below are ``prior * prod_m t_m``: the server step of ``server-divergence = kl`` only.  The
+    sites themselves follow Lemma 4.5 under any server divergence, the posterior does not (``weighted_kl``: ``prior
+    * (prod_m t_m)^w``; the others: FedGVI eq. 7's minimiser), so another one is a ``ValueError``, not a wrong
+    reference."""
+    if cfg.server_divergence != "kl":
+        raise ValueError(f"the reference posterior is prior x prod of sites, the server step of server-divergence "
+                         f"'kl'; this run config has '{cfg.server_divergence}'")
+
+
 def expected_posterior(cfg: RunConfig, updates_per_client: dict[str, int]) -> GaussianFactor:
-    """``prior * prod_m (1 - (1-rho)^k_m) e_m`` for k_m applied updates of client m."""
+    """``prior * prod_m (1 - (1-rho)^k_m) e_m`` for k_m applied updates of client m (``server-divergence = kl``)."""
+    _require_kl_server(cfg)
     rho = cfg.rho()
     power = {f"site-{m}": 1.0 - (1.0 - rho) ** updates_per_client.get(f"site-{m}", 0) for m in range(cfg.num_clients)}
     return _textbook_posterior(cfg, power) if has_textbook_form(cfg) else _library_posterior(cfg, power)
 
 
 def exact_posterior(cfg: RunConfig) -> GaussianFactor:
-    """The GBI / Bayes posterior ``prior * prod_m e_m`` (the fixed point of every schedule)."""
+    """The GBI / Bayes posterior ``prior * prod_m e_m`` (the fixed point of every schedule; ``server-divergence =
+    kl``)."""
+    _require_kl_server(cfg)
     power = {f"site-{m}": 1.0 for m in range(cfg.num_clients)}
     return _textbook_posterior(cfg, power) if has_textbook_form(cfg) else _library_posterior(cfg, power)
 

@@ -214,3 +214,16 @@ def test_a_library_defect_no_longer_matches_the_reference(defect, schedule, monk
     for cid, e in library.items():
         post = post * (e ** power[cid])
     assert max_natural_diff(strategy.state.posterior, post) < 1e-9
+
+
+@pytest.mark.parametrize("server", [{"server-divergence": "weighted_kl", "server-divergence-w": 0.5},
+                                    {"server-divergence": "alpha_renyi", "server-divergence-alpha": 0.5}])
+def test_the_reference_posterior_refuses_a_server_divergence_other_than_kl(server):
+    # a review: with server-divergence weighted_kl (w 0.5) the run's posterior is prior x (prod sites)^0.5, and
+    # expected_posterior returned prior x prod sites, 97 away, as the reference of a correct run
+    cfg = parse_run_config({**BASE, **server})
+    with pytest.raises(ValueError, match="server step of server-divergence 'kl'"):
+        expected_posterior(cfg, {"site-0": 1})
+    with pytest.raises(ValueError, match="server step of server-divergence 'kl'"):
+        exact_posterior(cfg)
+    assert set(exact_sites(cfg)) == {f"site-{m}" for m in range(cfg.num_clients)}  # the sites hold whatever D_s
