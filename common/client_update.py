@@ -7,6 +7,7 @@ Delta (eq. 5) and the new site.  The Flower client (client/) is a thin wrapper a
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -14,10 +15,13 @@ import numpy as np
 import torch
 
 from common.conjugate import conjugate_local_posterior, supports_conjugate
+from common.errors import DivergenceUndefinedError
 from common.factors import cavity, damped_delta
 from common.families import GaussianFactor, MeanFieldGaussian
 from common.local_gvi import local_gvi
 from common.problem import Problem
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +58,18 @@ def _initial_q(problem: Problem, posterior: GaussianFactor, cav: GaussianFactor,
     return posterior if problem.local.init == "posterior" else cav
 
 
+def _start_in_domain(problem: Problem, init: GaussianFactor, cav: GaussianFactor) -> bool:
+    """Whether the local objective is finite at the start ``init``: ``D(init || cavity)`` is undefined for an
+    Alpha-Renyi divergence with alpha > 1 where ``alpha eta_init + (1 - alpha) eta_cavity`` is not a proper
+    natural parameter (a coordinate of the posterior's variance above ``alpha / (alpha - 1)`` times the cavity's,
+    i.e. the client's site has precision below ``-(1 - 1/alpha)`` times the cavity's there)."""
+    try:
+        problem.divergence(init, cav)
+    except DivergenceUndefinedError:
+        return False
+    return True
+
+
 def local_seed(seed: int, step: int, stream: int) -> int:
     """The local optimiser's seed for one client step: a separate stream for every (run seed, round, client).
 
@@ -75,6 +91,11 @@ def client_step(
 ) -> ClientStepResult:
     """Cavity -> local GVI -> damped Delta.  Raises ImproperDistributionError on an improper cavity.
 
+    The optimiser starts where :func:`_initial_q` says, unless the local divergence is undefined there (Alpha-Renyi
+    with alpha > 1 and a posterior much wider than the cavity in some coordinate): then at the cavity, and the
+    metrics say ``start-at-cavity = 1`` (the step used to fail, and the client kept its old site until other clients
+    moved the posterior).
+
     ``step_seed`` (the round) and ``stream`` (the client: its partition id) select the local optimiser's random
     stream, :func:`local_seed`."""
     t0 = time.perf_counter()
@@ -85,6 +106,13 @@ def client_step(
         metrics.update({"conjugate": 1.0, "epochs": 0.0})
     else:
         init = _initial_q(problem, posterior, cav, site)
+        metrics["start-at-cavity"] = 0.0
+        if init is not cav and not _start_in_domain(problem, init, cav):
+            # the local problem is the same and has a minimiser (the cavity is always in the divergence's domain);
+            # only its start moves, and the reply says so
+            _LOG.warning("local start: D(q || cavity) is undefined at the configured start (%s); starting from the "
+                         "cavity", problem.cfg.divergence)
+            init, metrics["start-at-cavity"] = cav, 1.0
         # the start point is always _initial_q's (init="posterior" makes local_gvi start at the given one): with
         # init=cavity local_gvi would start at the cavity, and a BNN's first visit lose its symmetry-breaking start
         local_cfg = replace(problem.local, seed=local_seed(problem.local.seed, step_seed, stream), init="posterior")

@@ -121,3 +121,32 @@ def test_a_bnn_first_visit_starts_at_the_random_mean_even_after_round_1():
         assert all(torch.allclose(v, torch.full_like(v, 1e-3)) for v in start.variance().values())
     site = problem.prior.from_numpy({k: 0.05 * np.ones_like(v) for k, v in zero.to_numpy().items()})
     assert _initial_q(problem, trained, cavity(trained, site), site) is trained  # a later visit: the posterior
+
+
+def test_a_start_outside_the_alpha_renyi_domain_moves_to_the_cavity():
+    # a review: AR(2.5), the client's site has precision -1 (posterior precision 1, cavity 2): the posterior is wider
+    # than alpha/(alpha-1) x the cavity, D(q || cavity) is undefined there and the step failed with
+    # DivergenceUndefinedError although the local problem has a minimiser; the client kept its old site
+    import dataclasses
+
+    from common.config import parse_run_config
+    from common.families import FullCovarianceGaussian
+    from common.problem import build_problem
+
+    f64 = torch.float64
+    cfg = parse_run_config({"model": "gaussian_location", "dataset": "synthetic_gaussian_location",
+                            "family": "full_covariance", "loss": "nll", "divergence": "alpha_renyi",
+                            "divergence-alpha": 2.5, "num-clients": 3, "min-clients": 1})
+    problem = build_problem(cfg)
+    posterior = FullCovarianceGaussian.from_mean_covariance(torch.tensor([0.2], dtype=f64), torch.tensor([[1.0]], dtype=f64))
+    site = FullCovarianceGaussian(torch.tensor([0.0], dtype=f64), torch.tensor([[0.5]], dtype=f64))  # precision -1
+    y, x = torch.linspace(-1, 2, 5, dtype=f64)[:, None], torch.zeros(5, 0, dtype=f64)
+    moved = client_step(problem, posterior, site, x, y, rho=1 / 3)
+    from_cavity = client_step(dataclasses.replace(problem, local=dataclasses.replace(problem.local, init="cavity")),
+                              posterior, site, x, y, rho=1 / 3)
+    assert moved.metrics["start-at-cavity"] == 1.0 and from_cavity.metrics["start-at-cavity"] == 0.0
+    for k, v in moved.local_posterior.params.items():
+        assert torch.equal(v, from_cavity.local_posterior.params[k])
+    # a start inside the domain is kept (site precision 0.5: the posterior is narrower than the cavity)
+    narrow = FullCovarianceGaussian(torch.tensor([0.0], dtype=f64), torch.tensor([[-0.25]], dtype=f64))
+    assert client_step(problem, posterior, narrow, x, y, rho=1 / 3).metrics["start-at-cavity"] == 0.0
