@@ -12,8 +12,10 @@ cavity, local GVI problem solved in closed form where conjugate and with ``commo
 otherwise, damped Delta) and the server applies the batch of Deltas
 (``common.factors.PGVIServerState.apply``, FedGVI eqs. 6-7 with D_s = KL).  This is exactly what the Flower
 ClientApp and the PGVI strategy call; the Flower transport itself is not used here because the run config
-has no dataset for the clutter / Student-t data and ``synthetic_logistic_2d`` fails to load
-(see docs/results_synthetic.md, "Missing in common/").  The problems (model, prior, loss, divergence,
+has no dataset for the clutter / Student-t data (see docs/results_synthetic.md, "Missing in common/").
+``synthetic_logistic_2d`` loads through the transport since commit 2e499d9
+(``tests/test_inprocess.py::test_synthetic_logistic_2d_dataset_runs_end_to_end``), but this script passes the
+2-D logistic data in directly too, like the other two experiments'.  The problems (model, prior, loss, divergence,
 optimiser settings) are built with ``common.problem.build_problem`` from a validated ``RunConfig``.
 
 No algorithm is implemented here: this file only generates data, runs the federation, and measures.
