@@ -40,7 +40,6 @@ import os
 import shlex
 import sys
 import time
-import tomllib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,8 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 import numpy as np  # noqa: E402
+
+from scripts.arg_types import int_at_least  # noqa: E402
 
 AGGREGATORS = ("sum", "norm_clip", "trimmed_mean", "median")
 ATTACKS = ("scale:10", "flip")
@@ -381,16 +382,47 @@ def per_round_table(rows: list[dict]) -> str:
     return _md(head, body)
 
 
+#: run-config keys this script sets from its own options (per run: the aggregator), which ``-c`` may not set:
+#: applied after the option, ``-c aggregator=...`` was overwritten run by run without a word, and the others
+#: would contradict the option the tables and the records' names stand for
+OPTION_KEYS: dict[str, str] = {
+    "aggregator": "--aggregators (one run per aggregator)",
+    "num-clients": "--honest (num-clients = honest + 1)",
+    "min-clients": "--honest (min-clients = honest + 1)",
+    "num-server-rounds": "--rounds",
+    "local-epochs": "--local-epochs",
+    "output-dir": "--out (each run's records go to <out>/<scenario>-<aggregator>)",
+}
+
+
+def parse_config_overrides(items: list[str]) -> dict:
+    """The ``-c`` overrides (``key=value`` pairs with TOML values, as ``flwr run -c``): ``ValueError`` names a
+    malformed one, or a key that one of this script's options sets (:data:`OPTION_KEYS`), with that option."""
+    from scripts.simulate import parse_overrides
+
+    overrides: dict = {}
+    for item in items:
+        for key, value in parse_overrides(item).items():
+            option = OPTION_KEYS.get(key.replace("_", "-"))  # the run config also takes the fields' names
+            if option is not None:
+                raise ValueError(f"-c {item!r}: {key} is set by {option}, not by -c")
+            overrides[key] = value
+    return overrides
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--honest", type=int, default=10, help="number of honest clients (plus one Byzantine)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--local-epochs", type=int, default=100)
-    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes, 1 torch thread each)")
+    ap.add_argument("--honest", type=int_at_least(1), default=10, help="number of honest clients (plus one Byzantine)")
+    ap.add_argument("--rounds", type=int_at_least(1), default=5)
+    ap.add_argument("--local-epochs", type=int_at_least(1), default=100)
+    ap.add_argument("--jobs", type=int_at_least(1), default=2, help="runs in parallel (processes, 1 torch thread each)")
     ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated faults ('' for none)")
-    ap.add_argument("--aggregators", default=",".join(AGGREGATORS))
+    ap.add_argument("--aggregators", default=",".join(AGGREGATORS),
+                    help=f"comma-separated, of {', '.join(AGGREGATORS)}")
     ap.add_argument("--no-honest-all", action="store_true", help="honest run with plain sum only")
-    ap.add_argument("-c", "--config", action="append", default=[], help="run-config override key=value (TOML value)")
+    ap.add_argument("-c", "--config", action="append", default=[],
+                    help="run-config override key=value (TOML value), applied over the experiment's fixed settings "
+                         "(schedule, damping, ...); not a key an option sets: " + ", ".join(OPTION_KEYS))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "byzantine")
     ap.add_argument("--from-records", action="store_true", help="do not run: rebuild the tables from <out>")
     args = ap.parse_args()
@@ -399,23 +431,36 @@ def main() -> None:
             check_attack(attack)
         except ValueError as err:
             ap.error(f"--attacks: {err}")
+    for agg in args.aggregators.split(","):
+        if agg and agg not in AGGREGATORS:
+            ap.error(f"--aggregators: unknown aggregator {agg!r}; known: {', '.join(AGGREGATORS)}")
+    if args.from_records and not args.out.is_dir():
+        ap.error(f"--from-records: {args.out} is not a directory, so there are no records to rebuild the tables from")
 
+    from common.config import parse_run_config
     from scripts.run_inprocess import load_run_config
 
-    overrides = {}
-    for kv in args.config:  # applied last: they win over the experiment's settings
-        k, _, v = kv.partition("=")
-        overrides[k.strip()] = tomllib.loads(f"v = {v}")["v"]
-    raw = experiment_config(load_run_config([]), args.honest, args.rounds, args.local_epochs, overrides)
+    aggregators = tuple(a for a in args.aggregators.split(",") if a)
+    try:
+        overrides = parse_config_overrides(args.config)  # applied last: they win over the experiment's settings
+        raw = experiment_config(load_run_config([]), args.honest, args.rounds, args.local_epochs, overrides)
+        if not args.from_records:
+            for agg in ("sum", *aggregators):  # as each run will: a bad -c value is refused before any run starts
+                parse_run_config({**raw, "aggregator": agg})
+    except ValueError as err:  # a malformed -c, a key an option sets, or a ConfigError
+        ap.error(str(err))
     code = code_version()  # before the workers import the code
     t0, c0 = time.time(), _cpu_with_children()
     try:
-        rows = run_experiment(raw, tuple(a for a in args.attacks.split(",") if a),
-                              tuple(a for a in args.aggregators.split(",") if a), args.out, args.jobs,
+        rows = run_experiment(raw, tuple(a for a in args.attacks.split(",") if a), aggregators, args.out, args.jobs,
                               honest_all=not args.no_honest_all, from_records=args.from_records)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         if not args.from_records:
             raise
+        if isinstance(err, FileNotFoundError):  # a run of these scenarios that the records do not hold
+            raise SystemExit(f"error: no records of this run in {args.out}: {err.filename} is missing (run the "
+                             "command without --from-records first, with the same --attacks and --aggregators)"
+                             ) from None
         raise SystemExit(f"error: {err}") from None
     wall, cpu = time.time() - t0, _cpu_with_children() - c0
     print(markdown_table(rows), end="\n\n")

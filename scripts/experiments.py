@@ -14,7 +14,8 @@ requested settings, so an interrupted experiment continues where it stopped; a r
 A finished run of the same name with other settings is refused (every differing key is named) before anything
 runs: choose another ``--suffix``.  The whole plan is checked before its first run starts: every run config is
 validated, two runs may not share a name, and ``-c`` may not set a key the command sets run by run (the noise
-level, the seed, a setting of the method such as its loss, ...).  A batch in which a run fails, or exits 0 before
+level, the seed, a setting of the method such as its loss, ..., and ``output-dir``: each run's records go to its
+own directory).  A batch in which a run fails, or exits 0 before
 its planned rounds, exits non-zero once the other runs are done.  ``report`` aggregates whatever has finished into ``runs/experiments/<experiment>/results.{csv,json}``,
 ``table.md`` and PNG plots in ``docs/img/``; each cell counts distinct seeds, and runs of the same settings,
 noise and seed get separate rows, never one mean; runs that ended early or never ended are listed under the
@@ -226,7 +227,8 @@ def per_run_overrides(runs: list[Run], overrides: dict[str, object]) -> list[str
     (:data:`PER_RUN_OPTIONS`: noise level, seed, schedule, rounds), a key that defines a planned method
     (:data:`METHODS`: its loss, divergence and their parameters, the one-client methods' ``num-clients``; the run's
     name and table label say the method's own values), or one whose value differs between the planned runs.
-    Applied to every run, such an override makes the runs identical, or not what their names say, without a word."""
+    Applied to every run, such an override makes the runs identical, or not what their names say, without a word.
+    ``output-dir`` too: each run's records go to its own directory, and ``run_inprocess.py`` refuses the key."""
     out = []
     options = {k: v for r in runs for k, v in PER_RUN_OPTIONS.get(r.experiment, {}).items()}
     method_keys: dict[str, list[str]] = {}
@@ -236,7 +238,11 @@ def per_run_overrides(runs: list[Run], overrides: dict[str, object]) -> list[str
     for given, value in overrides.items():
         key = given.replace("_", "-")  # the run config also takes the fields' names (label_noise for label-noise)
         planned = sorted({json.dumps(r.config.get(key)) for r in runs})
-        if key in options:
+        if key == "output-dir":  # run_inprocess.py refuses it, so every run would exit 2
+            where = sorted({str(r.out.parent) for r in runs})
+            out.append(f"-c {given}={_toml(value)}: output-dir is not taken here: each run's records go to "
+                       f"{' / '.join(where)}/<run name>; choose the names with --suffix")
+        elif key in options:
             out.append(f"-c {given}={_toml(value)}: {key} is set run by run by {options[key]} "
                        f"(here {' / '.join(planned)}); use {options[key]}")
         elif key in method_keys:
@@ -728,11 +734,14 @@ def _refuse(problems: list[str], what: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    _project_importable()
+    from scripts.arg_types import number_above
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p1 = sub.add_parser("fmnist-noise", help="3 clients, homogeneous, random label noise")
     p1.add_argument("--methods", nargs="+", default=["fedgvi", "pvi", "fedavg", "gce"], choices=list(METHODS))
-    p1.add_argument("--noise", nargs="+", type=float, default=[0.4, 0.0, 0.1, 0.2])
+    p1.add_argument("--noise", nargs="+", type=number_above(0.0, allow_low=True), default=[0.4, 0.0, 0.1, 0.2])
     p1.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p2 = sub.add_parser("fmnist-noniid", help="10 clients, Dirichlet(0.3), the three schedules")
     p2.add_argument("--methods", nargs="+", default=["fedgvi"], choices=list(METHODS))

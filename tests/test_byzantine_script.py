@@ -116,3 +116,101 @@ def test_tables_from_records_of_different_settings_are_refused(tiny, tmp_path):
     assert "honest-median: run as the scenario 'scale:10' (byzantine.json), not 'honest'" in msg
     assert len(msg.splitlines()) == 4, msg  # the three runs above, nothing else
     assert byzantine.mixed_settings(byzantine.specs_for(ATTACKS, AGGREGATORS, True), out) == []
+
+
+# ------------------------------------------------------------------- bad command lines (stop-31 docs review, finding 7)
+class _Ran(Exception):
+    """Raised by the stand-in for ``run_experiment``: the command line got as far as running the experiment."""
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``scripts/byzantine.py``'s ``main`` on an argv, with ``run_experiment`` replaced by a stand-in that records its
+    arguments and raises :class:`_Ran`: returns (exit code or "ran", stderr, the stand-in's calls)."""
+    import sys
+
+    from scripts import byzantine
+
+    calls: list[tuple] = []
+
+    def stand_in(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise _Ran
+
+    monkeypatch.setattr(byzantine, "run_experiment", stand_in)
+
+    def run(*argv: str):
+        monkeypatch.setattr(sys, "argv", ["byzantine.py", *argv])
+        try:
+            byzantine.main()
+        except SystemExit as exc:
+            return exc.code, capsys.readouterr().err, calls
+        except _Ran:
+            return "ran", capsys.readouterr().err, calls
+        return 0, capsys.readouterr().err, calls
+
+    return run
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--honest", "0"], "argument --honest: must be an integer >= 1, got 0"),
+    (["--rounds", "-1"], "argument --rounds: must be an integer >= 1, got -1"),
+    (["--jobs", "0"], "argument --jobs: must be an integer >= 1, got 0"),
+    (["--local-epochs", "0"], "argument --local-epochs: must be an integer >= 1, got 0"),
+    (["--aggregators", "sum,foo"], "--aggregators: unknown aggregator 'foo'; known: sum, norm_clip"),
+    (["-c", "lr"], "-c 'lr': expected space-separated key=value pairs"),
+    (["-c", "partitioner=iid"], "is not a TOML value"),
+    (["-c", "lr=-1"], "lr: Input should be greater than 0"),
+])
+def test_bad_options_are_argparse_errors_before_anything_runs(cli, argv, says):
+    """Before: ValueError / TOMLDecodeError tracebacks (experiment_config outside the try, run_experiment re-raised
+    unless --from-records), or, for a bad -c value, every run failing in its own process."""
+    code, err, calls = cli(*argv)
+    assert code == 2, (code, err)
+    assert err.strip().splitlines()[-1].startswith("byzantine.py: error: ") and says in err, err
+    assert calls == []
+
+
+@pytest.mark.parametrize("override,option", [
+    ('aggregator="median"', "--aggregators"),
+    ("num-server-rounds=2", "--rounds"),
+    ("local_epochs=3", "--local-epochs"),
+    ("num-clients=5", "--honest"),
+    ('output-dir="elsewhere"', "--out"),
+])
+def test_a_c_override_of_a_key_an_option_sets_is_refused_naming_the_option(cli, override, option):
+    """Before, ``-c aggregator=...`` was overwritten run by run without a word (each run sets its aggregator), though
+    the comment said the -c overrides win; the other keys silently overrode the option the tables stand for."""
+    code, err, calls = cli("-c", override)
+    assert code == 2 and f"is set by {option}" in err, (code, err)
+    assert calls == []
+
+
+def test_other_c_overrides_still_reach_every_run(cli):
+    code, _, calls = cli("--honest", "3", "--aggregators", "sum,norm_clip", "-c", "aggregator-clip-multiplier=1.0",
+                         "-c", "eval-samples=10 mc-samples=2", "-c", "damping=0.5")
+    assert code == "ran" and len(calls) == 1
+    raw = calls[0][0][0]
+    assert raw["aggregator-clip-multiplier"] == 1.0 and raw["eval-samples"] == 10 and raw["mc-samples"] == 2
+    assert raw["damping"] == 0.5 and raw["num-clients"] == 4  # a fixed setting of the experiment may be overridden
+    assert raw.get("aggregator") == load_run_config([]).get("aggregator")  # each run sets its own
+
+
+def test_from_records_without_the_records_is_an_error_not_a_traceback(cli, tmp_path):
+    """Before: FileNotFoundError tracebacks (only a ValueError was turned into a message)."""
+    code, err, calls = cli("--from-records", "--out", str(tmp_path / "missing"))
+    assert code == 2 and "--from-records:" in err and "is not a directory" in err, (code, err)
+    assert calls == []
+
+
+def test_from_records_of_runs_the_directory_does_not_hold_is_an_error_not_a_traceback(monkeypatch, capsys, tmp_path):
+    """An existing --out without these runs' records (the real ``run_experiment``, which only reads)."""
+    import sys
+
+    from scripts import byzantine
+
+    monkeypatch.setattr(sys, "argv", ["byzantine.py", "--from-records", "--out", str(tmp_path), "--attacks", "flip"])
+    with pytest.raises(SystemExit) as exc:
+        byzantine.main()
+    assert str(exc.value).startswith(f"error: no records of this run in {tmp_path}: ")
+    assert "honest-sum/metrics.jsonl is missing" in str(exc.value)

@@ -262,3 +262,26 @@ def test_an_underscore_spelling_of_a_key_set_run_by_run_is_refused_as_that_key(c
         E.main(["fmnist-noise", "--noise", "0.4", "--methods", "pvi", "-c", "label_noise=0.2"])
     assert "-c label_noise=0.2: label-noise is set run by run by --noise" in capsys.readouterr().err
     assert calls == []
+
+
+# ------------------------------------------------------------------- stop-31 docs review (findings 6 and 7)
+@pytest.mark.parametrize("override", ['output-dir="x"', 'output_dir="x"'])
+def test_an_output_dir_override_is_refused_in_the_plan_check(calls, capsys, override):
+    """run_inprocess.py refuses ``-c output-dir`` (its records go to --out): the plan was accepted, and then every
+    run exited 2."""
+    with pytest.raises(SystemExit, match="sets run by run; nothing was run"):
+        E.main(["fmnist-noise", "--noise", "0.4", "--seeds", "0", "--methods", "pvi", "-c", override])
+    err = capsys.readouterr().err
+    assert f"-c {override.split('=')[0]}=\"x\": output-dir is not taken here" in err
+    assert "choose the names with --suffix" in err
+    assert calls == []
+
+
+@pytest.mark.parametrize("noise", ["nan", "inf", "NaN"])
+def test_a_non_finite_noise_level_is_an_argparse_error(calls, capsys, noise):
+    """Before: ValueError 'cannot convert float NaN to integer' (OverflowError for inf) while naming the runs."""
+    with pytest.raises(SystemExit) as exc:
+        E.main(["fmnist-noise", "--noise", "0.4", noise, "--seeds", "0", "--methods", "pvi", "--dry-run"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument --noise: must be a finite number >= 0, got '{noise}'" in err, err
+    assert calls == []
