@@ -14,7 +14,9 @@ the model and the configuration, in this order of preference:
    reparameterisation ``theta = mean + L z``; deterministic and differentiable.
 3. ``"mc_local_reparam"``: Monte Carlo with the local reparameterisation trick (Kingma et al. 2015) for models
    that provide ``output_local_reparam`` (every registered model: the BNN samples its pre-activations, logistic
-   regression its logits, the Gaussian models their means, each point with its own noise), mean-field family only.
+   regression its logits, the Gaussian models their means, each point with its own noise), mean-field family;
+   ``"mc_local_reparam_full"`` the same for the full-covariance family (``output_local_reparam_full``: logistic
+   regression and the Gaussian models draw each point's outputs from their joint Gaussian under ``q``).
 4. ``"mc_weights"``: Monte Carlo with ``n_samples`` reparameterised parameter samples.
 
 Monte Carlo steps use minibatches of ``B`` of the ``n`` examples and the unbiased estimate
@@ -71,7 +73,13 @@ from common.adam import Adam
 from common.fast_math import all_finite, log1p, log_ratio
 from common.likelihoods import CategoricalOutput, check_class_labels
 from common.quadratic import QuadraticLoss
-from common.variational import DEFAULT_MIN_SCALE, MeanFieldVariational, VariationalGaussian, variational_for
+from common.variational import (
+    DEFAULT_MIN_SCALE,
+    FullCovarianceVariational,
+    MeanFieldVariational,
+    VariationalGaussian,
+    variational_for,
+)
 
 MAX_QUADRATURE_DIM = 3
 """Tensor-product quadrature grows as ``K^d``; beyond this many scalar parameters use Monte Carlo."""
@@ -105,8 +113,8 @@ class LocalGVIConfig:
         objective_estimate: ``"end_of_epoch"`` or ``"running"`` (see the module docstring).
         eval_samples: Monte Carlo samples of the end-of-epoch evaluation (>= 1); ``None`` = ``n_samples``.
             The evaluation uses fixed noise, so the returned (best) state minimises a fixed-noise estimate
-            of the objective.  With weight sampling (``mc_weights``: full covariance, or ``local_reparam``
-            off) every point sees the same few draws of ``theta``, and that estimate's minimiser can be far
+            of the objective.  With weight sampling (``mc_weights``: ``local_reparam`` off, or a model
+            without a local path) every point sees the same few draws of ``theta``, and that estimate's minimiser can be far
             from the true one: at 10 samples, variances 0.25-3.5x the optimal ones in a 3-parameter linear
             regression (a review, 2026-11-27), returned states up to 0.49 nats above the optimum in a 2-parameter
             logistic regression.  The local-reparameterisation path draws each point's output on its own,
@@ -207,7 +215,8 @@ class LocalGVIResult:
         final_objective: the objective at the returned state (equals ``min`` over the initial value and
             the trace unless the L-BFGS polish improved it; with ``"running"``, the best epoch's running
             mean).
-        path: ``"closed_form"``, ``"quadrature"``, ``"mc_local_reparam"`` or ``"mc_weights"``.
+        path: ``"closed_form"``, ``"quadrature"``, ``"mc_local_reparam"``, ``"mc_local_reparam_full"`` or
+            ``"mc_weights"``.
         polished: whether an L-BFGS polish was run and kept.
     """
 
@@ -388,6 +397,9 @@ class _Objective:
                 if value is not None:
                     return value
             out = self.model.output_local_reparam(moments.means, moments.variances, xb, s, generator)
+        elif self.path == "mc_local_reparam_full":
+            assert isinstance(q, FullCovarianceVariational)
+            out = self.model.output_local_reparam_full(q.loc, q.cholesky(), xb, s, generator)
         elif moments is not None:
             assert moments.scales is not None  # the fused variances are used on the local-reparam path only
             theta = {}
@@ -610,6 +622,9 @@ def _select_path(obj: _Objective, q: VariationalGaussian, config: LocalGVIConfig
         return "quadrature"
     if config.local_reparam and isinstance(q, MeanFieldVariational) and hasattr(obj.model, "output_local_reparam"):
         return "mc_local_reparam"
+    if config.local_reparam and isinstance(q, FullCovarianceVariational) \
+            and hasattr(obj.model, "output_local_reparam_full"):
+        return "mc_local_reparam_full"
     return "mc_weights"
 
 

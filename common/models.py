@@ -184,9 +184,19 @@ class LinearGaussianModel(LikelihoodModel):
         if x is None:
             raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
         a = self.design(x, int(x.shape[0]), m.dtype)  # (B, D, d)
-        mu, var = a @ m, (a * a) @ v  # (B, D)
-        eps = torch.randn((s, *mu.shape), generator=generator, dtype=mu.dtype, device=mu.device)
-        return GaussianOutput(torch.addcmul(mu, var.sqrt(), eps), self.sigma)
+        return GaussianOutput(_draw(a @ m, (a * a) @ v, s, generator), self.sigma)
+
+    def output_local_reparam_full(self, loc: Tensor, scale_tril: Tensor, x: Tensor | None, n_samples: int,
+                                  generator: torch.Generator | None = None) -> GaussianOutput:
+        """:meth:`output_local_reparam` under a full-covariance ``q = N(loc, L L^T)``: each point's mean
+        ``A_b theta`` drawn on its own, ``A_b loc + (A_b L) eps`` with ``eps ~ N(0, I_d)`` per sample and point
+        (exact for any design: the point's joint Gaussian; ``S B D d`` operations)."""
+        s = _positive_int(n_samples, "n_samples", self.name)
+        if x is None:
+            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
+        a = self.design(x, int(x.shape[0]), loc.dtype)  # (B, D, d)
+        eps = torch.randn((s, a.shape[0], a.shape[2]), generator=generator, dtype=loc.dtype, device=loc.device)
+        return GaussianOutput(a @ loc + torch.einsum("bkd,sbd->sbk", a @ scale_tril, eps), self.sigma)
 
     def _targets(self, y: Tensor) -> Tensor:
         if y.dim() == 1 and self.event_dim == 1:
@@ -253,6 +263,36 @@ class GaussianLocationModel(LinearGaussianModel):
 
     def design(self, x: Tensor | None, n: int, dtype: torch.dtype) -> Tensor:
         return torch.eye(self.dim, dtype=dtype).expand(n, self.dim, self.dim)
+
+    def output_local_reparam(self, mean: Mapping[str, Tensor], variance: Mapping[str, Tensor], x: Tensor | None,
+                             n_samples: int, generator: torch.Generator | None = None) -> GaussianOutput:
+        """:meth:`LinearGaussianModel.output_local_reparam` with the identity design: each point draws
+        ``theta`` itself, ``m + sqrt(v) eps`` (``B D`` operations, no ``(B, D, D)`` design)."""
+        s = _positive_int(n_samples, "n_samples", self.name)
+        if x is None:
+            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
+        b = int(x.shape[0])
+        m, v = mean["theta"], variance["theta"]
+        return GaussianOutput(_draw(m.expand(b, self.dim), v.expand(b, self.dim), s, generator), self.sigma)
+
+    def output_local_reparam_full(self, loc: Tensor, scale_tril: Tensor, x: Tensor | None, n_samples: int,
+                                  generator: torch.Generator | None = None) -> GaussianOutput:
+        """:meth:`LinearGaussianModel.output_local_reparam_full` with the identity design: each point draws
+        ``theta = loc + L eps`` itself (``S B D^2`` operations, no ``(B, D, D)`` design)."""
+        s = _positive_int(n_samples, "n_samples", self.name)
+        if x is None:
+            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
+        eps = torch.randn((s, int(x.shape[0]), self.dim), generator=generator, dtype=loc.dtype, device=loc.device)
+        return GaussianOutput(loc + eps @ scale_tril.T, self.sigma)
+
+
+def _draw(mu: Tensor, var: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
+    """``mu + sqrt(var) eps``, ``(S, *mu.shape)``, with independent ``eps ~ N(0, 1)``; a variance of exactly 0 (a
+    point whose features are all 0, without a bias) draws ``mu`` with a zero gradient, not ``sqrt``'s infinite
+    derivative times 0 (NaN)."""
+    eps = torch.randn((n_samples, *mu.shape), generator=generator, dtype=mu.dtype, device=mu.device)
+    positive = var > 0
+    return torch.addcmul(mu, torch.where(positive, var, torch.ones_like(var)).sqrt() * positive, eps)
 
 
 def _with_bias(x: Tensor, bias: bool) -> Tensor:
@@ -354,9 +394,28 @@ class LogisticRegressionModel(LikelihoodModel):
         phi = _with_bias(x.to(m.dtype), self.bias)
         rows = 1 if self.num_classes == 2 else self.num_classes
         w_m, w_v = m.view(rows, self.n_inputs), v.view(rows, self.n_inputs)
-        mu, var = phi @ w_m.T, (phi * phi) @ w_v.T  # (B, rows)
-        eps = torch.randn((s, *mu.shape), generator=generator, dtype=mu.dtype, device=mu.device)
-        z = torch.addcmul(mu, var.sqrt(), eps)
+        return self._categorical(_draw(phi @ w_m.T, (phi * phi) @ w_v.T, s, generator))  # (S, B, rows)
+
+    def output_local_reparam_full(self, loc: Tensor, scale_tril: Tensor, x: Tensor, n_samples: int,
+                                  generator: torch.Generator | None = None) -> CategoricalOutput:
+        """:meth:`output_local_reparam` under a full-covariance ``q = N(loc, L L^T)``: each point's logits
+        ``Phi_b theta`` (``Phi_b`` the point's ``(rows, d)`` design, ``phi^T`` in its class's block) drawn on
+        their own, ``Phi_b loc + (Phi_b L) eps`` with ``eps ~ N(0, I_d)`` per sample and point (exact: the
+        point's joint Gaussian, classes correlated as ``q`` makes them; ``B d^2 + S B C d`` operations)."""
+        s = _positive_int(n_samples, "n_samples", self.name)
+        if x is None or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"{self.name}: x must have shape (B, {self.in_features}), got "
+                             f"{None if x is None else tuple(x.shape)}")
+        phi = _with_bias(x.to(loc.dtype), self.bias)
+        rows = 1 if self.num_classes == 2 else self.num_classes
+        d = loc.numel()
+        mu = phi @ loc.view(rows, self.n_inputs).T  # (B, rows)
+        spread = torch.einsum("bi,cid->bcd", phi, scale_tril.view(rows, self.n_inputs, d))  # Phi_b L: (B, rows, d)
+        eps = torch.randn((s, phi.shape[0], d), generator=generator, dtype=loc.dtype, device=loc.device)
+        return self._categorical(mu + torch.einsum("bcd,sbd->sbc", spread, eps))
+
+    def _categorical(self, z: Tensor) -> CategoricalOutput:
+        """Logits ``(S, B, C)`` from the drawn ``(S, B, rows)`` (binary: ``[0, z]``)."""
         if self.num_classes == 2:
             return CategoricalOutput(torch.cat([torch.zeros_like(z), z], dim=-1))
         return CategoricalOutput(z)

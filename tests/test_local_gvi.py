@@ -97,16 +97,17 @@ def test_quadrature_path_reaches_conjugate_posterior_without_the_quadratic_form(
     assert res.posterior.max_abs_diff(exact) < 1e-6 * float(exact.precision().abs().max())
 
 
-def test_monte_carlo_path_within_monte_carlo_tolerance():
+@pytest.mark.parametrize("local_reparam, path", [(False, "mc_weights"), (True, "mc_local_reparam_full")])
+def test_monte_carlo_path_within_monte_carlo_tolerance(local_reparam, path):
     sigma = 1.0
     model, x, y, cavity = _location_problem(dim=1, sigma=sigma, n=50, seed=3)
     exact = _exact_location_posterior(cavity, y, sigma)
     # minibatches of 10 with n/B scaling, 16 samples per step; the best state is selected with 1024
     # fixed evaluation samples (see LocalGVIConfig.eval_samples)
     cfg = LocalGVIConfig(epochs=40, batch_size=10, lr=0.05, lr_scale=0.1, closed_form=False, n_samples=16,
-                         eval_samples=1024, patience=None, seed=5)
+                         eval_samples=1024, patience=None, seed=5, local_reparam=local_reparam)
     res = local_gvi(model, make_loss("nll"), make_divergence("kl"), cavity, x, y, cavity, cfg)
-    assert res.path == "mc_weights"
+    assert res.path == path
     m, v = float(res.posterior.mean()[0]), float(res.posterior.covariance()[0, 0])
     m0, v0 = float(exact.mean()[0]), float(exact.covariance()[0, 0])
     # Adam with a constant step on a noisy gradient: the iterate fluctuates around the optimum by a small
