@@ -17,7 +17,7 @@ import torch
 from common.conjugate import conjugate_local_posterior, supports_conjugate
 from common.errors import DivergenceUndefinedError
 from common.factors import cavity, damped_delta
-from common.families import GaussianFactor, MeanFieldGaussian
+from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.local_gvi import local_gvi
 from common.problem import Problem
 
@@ -70,6 +70,25 @@ def _start_in_domain(problem: Problem, init: GaussianFactor, cav: GaussianFactor
     return True
 
 
+def _narrowed_start(problem: Problem, init: GaussianFactor, cav: GaussianFactor) -> GaussianFactor:
+    """``init``'s mean with a spread the local divergence is defined at: per coordinate the smaller of ``init``'s
+    and the cavity's variance (mean field), else the cavity's (co)variance.  With the cavity's precision
+    ``Lambda_cav``, ``alpha Lambda_q + (1 - alpha) Lambda_cav`` is ``Lambda_cav`` itself, proper for every alpha; a
+    narrower ``q`` stays proper for alpha > 1.  The mean is kept: a BNN's first visit keeps its seeded random mean
+    (the cavity's, the prior's zeros, is the symmetric point that start exists to avoid), a later visit the
+    posterior's."""
+    if isinstance(init, MeanFieldGaussian) and isinstance(cav, MeanFieldGaussian):
+        var_init, var_cav = init.variance(), cav.variance()
+        narrower = MeanFieldGaussian.from_mean_variance(
+            init.mean(), {k: torch.minimum(var_init[k], var_cav[k]) for k in var_init})
+        if _start_in_domain(problem, narrower, cav):
+            return narrower
+        return MeanFieldGaussian.from_mean_variance(init.mean(), var_cav)
+    assert isinstance(init, FullCovarianceGaussian) and isinstance(cav, FullCovarianceGaussian)
+    eta2 = cav.params["eta2"]  # the cavity's precision exactly, not a round trip through its covariance
+    return FullCovarianceGaussian(-2.0 * eta2 @ init.mean(), eta2, name=init.name)
+
+
 def local_seed(seed: int, step: int, stream: int) -> int:
     """The local optimiser's seed for one client step: a separate stream for every (run seed, round, client).
 
@@ -92,9 +111,10 @@ def client_step(
     """Cavity -> local GVI -> damped Delta.  Raises ImproperDistributionError on an improper cavity.
 
     The optimiser starts where :func:`_initial_q` says, unless the local divergence is undefined there (Alpha-Renyi
-    with alpha > 1 and a posterior much wider than the cavity in some coordinate): then at the cavity, and the
-    metrics say ``start-at-cavity = 1`` (the step used to fail, and the client kept its old site until other clients
-    moved the posterior).
+    with alpha > 1 and a start much wider than the cavity in some coordinate: a posterior over a site of negative
+    precision, or a BNN's first-visit start of variance 1e-3 over a narrower cavity): then at its mean with the
+    spread of :func:`_narrowed_start`, and the metrics say ``start-narrowed = 1`` (the step used to fail, and the
+    client kept its old site until other clients moved the posterior).
 
     ``step_seed`` (the round) and ``stream`` (the client: its partition id) select the local optimiser's random
     stream, :func:`local_seed`."""
@@ -106,13 +126,12 @@ def client_step(
         metrics.update({"conjugate": 1.0, "epochs": 0.0})
     else:
         init = _initial_q(problem, posterior, cav, site)
-        metrics["start-at-cavity"] = 0.0
+        metrics["start-narrowed"] = 0.0
         if init is not cav and not _start_in_domain(problem, init, cav):
-            # the local problem is the same and has a minimiser (the cavity is always in the divergence's domain);
-            # only its start moves, and the reply says so
-            _LOG.warning("local start: D(q || cavity) is undefined at the configured start (%s); starting from the "
-                         "cavity", problem.cfg.divergence)
-            init, metrics["start-at-cavity"] = cav, 1.0
+            # the local problem is the same and has a minimiser; only its start's spread changes, and the reply says so
+            _LOG.warning("local start: D(q || cavity) is undefined at the configured start (%s); starting from its "
+                         "mean with a spread the divergence is defined at", problem.cfg.divergence)
+            init, metrics["start-narrowed"] = _narrowed_start(problem, init, cav), 1.0
         # the start point is always _initial_q's (init="posterior" makes local_gvi start at the given one): with
         # init=cavity local_gvi would start at the cavity, and a BNN's first visit lose its symmetry-breaking start
         local_cfg = replace(problem.local, seed=local_seed(problem.local.seed, step_seed, stream), init="posterior")

@@ -132,7 +132,7 @@ def _reply_text(value: object, limit: int = MAX_REPLY_TEXT) -> str:
 #: Train-reply metrics the server records in the round's row, each a finite real number in [0, 2^53]
 #: (``num-examples`` an integer too).  2^53: the largest count a float holds exactly, and far from overflowing
 #: when the row sums or averages them over any number of clients (1e308 from one client made the row infinite).
-TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs")
+TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs", "start-narrowed")
 _TRAIN_METRIC_MAX = 2.0**53
 
 
@@ -200,6 +200,7 @@ class RoundStats:
     reply_bytes: int = 0
     client_seconds: list[float] = field(default_factory=list)
     client_epochs: list[float] = field(default_factory=list)
+    starts_narrowed: int = 0  # applied updates whose local optimiser started narrowed (common.client_update)
     num_examples: float = 0.0
     #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -237,6 +238,8 @@ class RoundStats:
         if self.client_epochs:  # local optimiser epochs actually run (early stopping), 0 for closed forms
             out["client-epochs-max"] = max(self.client_epochs)
             out["client-epochs-mean"] = sum(self.client_epochs) / len(self.client_epochs)
+        if self.starts_narrowed:  # the local divergence was undefined at the configured start of these updates
+            out["starts-narrowed"] = self.starts_narrowed
         for phase in SERVER_PHASES:
             if phase in self.phase_seconds:
                 out[f"server-seconds-{phase}"] = self.phase_seconds[phase]
@@ -1432,6 +1435,7 @@ class PGVIStrategy(Strategy):
                 stats.client_seconds.append(d.metrics["seconds"])
             if "epochs" in d.metrics:
                 stats.client_epochs.append(d.metrics["epochs"])
+            stats.starts_narrowed += d.metrics.get("start-narrowed", 0.0) > 0
 
     def _check_alone(self, delta: GaussianFactor) -> None:
         """Raise a :class:`PGVIError` if the server step would give an improper posterior with ``delta`` applied
