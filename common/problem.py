@@ -241,6 +241,12 @@ def build_problem(cfg: RunConfig, data: ArraysSplit | None = None) -> Problem:
         if list(shapes) != ["theta"]:
             raise ValueError(f"family full_covariance needs a single-vector model, '{cfg.model}' has {list(shapes)}")
         (d,) = shapes["theta"]
+        fisher_rao = [k for k, v in (("divergence", cfg.divergence), ("server-divergence", cfg.server_divergence))
+                      if v == "fisher_rao"]
+        if fisher_rao and d > 1:  # the closed form is univariate (per coordinate: mean_field)
+            raise ConfigError(f"invalid run config: {'/'.join(fisher_rao)}: the Fisher-Rao distance has a closed form "
+                              f"for univariate Gaussians only; family 'full_covariance' with model '{cfg.model}' has "
+                              f"d = {d} > 1 (use family 'mean_field', which takes it per coordinate)")
         prior: GaussianFactor = FullCovarianceGaussian.from_mean_covariance(
             torch.full((d,), cfg.prior_mean, dtype=dtype), cfg.prior_variance * torch.eye(d, dtype=dtype)
         )

@@ -25,6 +25,15 @@ class QuadraticLoss:
     constant: Tensor | float = 0.0
     name: str = "theta"
 
+    def __post_init__(self) -> None:
+        # P's symmetric part: the same quadratic form.  Sums of per-point products A^T W A leave rounding
+        # asymmetries (float32: up to 2.5e-8 relative, above the precision check's 1e-8, so every float32
+        # full-covariance score-matching posterior was refused as "not symmetric"); the factors built from P
+        # (cavity * exp(-w L)) must be exactly symmetric
+        p = self.precision
+        if p.dim() == 2:
+            self.precision = 0.5 * (p + p.T)
+
     def __add__(self, other: QuadraticLoss) -> QuadraticLoss:
         return QuadraticLoss(self.precision + other.precision, self.shift + other.shift,
                              self.constant + other.constant, self.name)

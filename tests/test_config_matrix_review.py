@@ -1,0 +1,64 @@
+"""Valid-looking run configs that failed mid-run, from a sweep over the run-config matrix (each test failed on the code
+before its fix).
+
+(1) fisher_rao (client or server divergence) with family full_covariance and a model of d > 1 passed the validator
+    and every client (or the server step) then raised NotImplementedError in round 1: the closed form is univariate;
+    it is now a ConfigError before round 1 naming the key;
+(2) score matching with family full_covariance in float32 (pyproject's dtype): the summed quadratic's precision came
+    out asymmetric by ~2e-8 relative, above the factor check's 1e-8, and every conjugate local posterior was refused
+    as improper ("precision is not symmetric"); the quadratic keeps P's symmetric part.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import ConfigError, parse_run_config
+from common.models import make_model
+from common.problem import build_problem
+from common.quadratic import QuadraticLoss
+from server.app import prepare
+from tests.test_inprocess import run
+
+
+@pytest.mark.parametrize("key, raw", [
+    ("divergence", {"model": "linear_regression", "dataset": "synthetic_linear_regression",
+                    "divergence": "fisher_rao"}),
+    ("server-divergence", {"model": "logistic_regression", "dataset": "synthetic_logistic_2d",
+                           "server-divergence": "fisher_rao"}),
+])
+def test_fisher_rao_with_a_multivariate_full_covariance_is_a_config_error(key: str, raw: dict) -> None:
+    raw = {**raw, "family": "full_covariance", "loss": "nll", "num-clients": 3, "min-clients": 3}
+    with pytest.raises(ConfigError, match=f"invalid run config: {key}: the Fisher-Rao distance has a closed form "
+                                          "for univariate Gaussians only; .* d = [0-9]+ > 1"):
+        prepare(raw)
+    build_problem(parse_run_config({**raw, "family": "mean_field"}))  # mean field takes it (product metric)
+
+
+def test_fisher_rao_with_the_univariate_full_covariance_location_still_runs() -> None:
+    _, strategy, _ = run({"divergence": "fisher_rao", "num-server-rounds": 2})  # gaussian_location, d = 1
+    assert strategy.ledger_versions == {"site-0": 2, "site-1": 2, "site-2": 2}
+
+
+@pytest.mark.parametrize("weight", ["constant", "imq", "se"])
+def test_float32_full_covariance_score_matching_runs(weight: str) -> None:
+    _, strategy, _ = run({"model": "linear_regression", "dataset": "synthetic_linear_regression", "loss": "score_matching",
+                    "sm-weight": weight, "dtype": "float32", "label-noise": 0.0, "num-server-rounds": 2})
+    assert strategy.ledger_versions == {"site-0": 2, "site-1": 2, "site-2": 2}
+    eta2 = strategy.state.posterior.params["eta2"]
+    assert eta2.dtype == torch.float32 and torch.equal(eta2, eta2.T)
+
+
+def test_a_quadratic_keeps_the_symmetric_part_of_its_precision() -> None:
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    q = QuadraticLoss(p, torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(q.precision, q.precision.T)
+    theta = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    assert torch.allclose(q.value(theta), 0.5 * torch.einsum("si,ij,sj->s", theta, p, theta))  # the same form
+    model = make_model("linear_regression", in_features=3)
+    x = torch.randn(50, 3, generator=g, dtype=torch.float32)
+    y = torch.randn(50, 1, generator=g, dtype=torch.float32)
+    quad = model.nll_quadratic(x, y)
+    assert torch.equal(quad.precision, quad.precision.T)
