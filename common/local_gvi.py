@@ -594,6 +594,18 @@ class _MomentDivergenceFn(torch.autograd.Function):
         return g_mean, g_var, None, None, None, None, None, None
 
 
+def _scale_groups(q: VariationalGaussian, lr_scale: float) -> list[tuple[list[Tensor], float]]:
+    """Adam's groups of the scale parameters.  Adam moves every entry by about its learning rate whatever its
+    gradient's size, so the ``d (d - 1) / 2`` free off-diagonal entries of a full-covariance Cholesky factor ``L``
+    take ``lr_scale / sqrt(d)``: a row of ``L`` (a coordinate's standard deviation, ``||L_i||``) then moves by at most
+    about ``2 lr_scale`` per step, like a mean-field scale, instead of ``lr_scale sqrt(i)`` (a review: at d = 650,
+    logistic regression on digits, the first step changed L by ~4.6 in Frobenius norm, no epoch from round 2 on
+    improved on the start, and every update was zero)."""
+    if isinstance(q, FullCovarianceVariational) and q.d > 1:
+        return [([q.raw_diag], lr_scale), ([q.lower], lr_scale / math.sqrt(q.d))]
+    return [(q.scale_parameters(), lr_scale)]
+
+
 def _finite_float(expected: Tensor, div: Tensor, where: str) -> float:
     e, d = float(expected), float(div)
     if not math.isfinite(e) or not math.isfinite(d):
@@ -688,7 +700,7 @@ def local_gvi(
 
     lr_scale = config.lr if config.lr_scale is None else config.lr_scale
     # torch's fused Adam kernel, one call per group, without torch.optim's import of torch._dynamo (common/adam.py)
-    optimiser = Adam([(q.loc_parameters(), config.lr), (q.scale_parameters(), lr_scale)])
+    optimiser = Adam([(q.loc_parameters(), config.lr), *_scale_groups(q, lr_scale)])
     gen = torch.Generator().manual_seed(int(config.seed))
 
     # the one-hidden-layer BNN's step without autograd where it applies (bit-identical: common/explicit_step.py)

@@ -85,3 +85,16 @@ def test_updates_whose_local_optimiser_kept_its_start_are_counted_and_warned(mon
     _, strategy, _ = run({"num-server-rounds": 2}, reply_hook=kept_start)
     assert [r.get("updates-at-start") for r in strategy.history] == [None, None, 2.0]
     assert sum("no local epoch improved on the optimiser's start (best-epoch 0 of 10)" in w for w in warned) == 2
+
+
+def test_a_full_covariance_model_of_many_parameters_keeps_learning_after_round_1() -> None:
+    # the review's case, shortened: logistic regression on digits with a full covariance (d = 650, 211,575 Cholesky
+    # entries), default lr and lr-scale 0.01: Adam moved every off-diagonal entry by ~0.01, no epoch of round 2
+    # improved on the start and every update was zero (server test accuracy 0.631 after rounds 1 and 2,
+    # updates-at-start 3); the off-diagonal entries now take lr-scale / sqrt(d) (0.647, then 0.825)
+    _, strategy, _ = run({"model": "logistic_regression", "dataset": "digits", "family": "full_covariance",
+                          "loss": "nll", "divergence": "kl", "num-server-rounds": 2, "local-epochs": 15,
+                          "round-timeout-s": 600, "torch-threads": 1, "evaluate-clients": True})
+    rows = strategy.history
+    assert rows[2].get("updates-at-start") is None and rows[2]["client-epochs-mean"] == 15.0
+    assert rows[2]["client-accuracy"] > rows[1]["client-accuracy"] + 0.1, [r.get("client-accuracy") for r in rows]
