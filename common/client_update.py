@@ -145,6 +145,7 @@ def client_step(
                 # for the BNN's "running" estimate, the best epoch's running mean), not min(trace)
                 "objective": float(res.final_objective),
                 "best-epoch": float(res.best_epoch),
+                "polished": float(res.polished),
                 "local-seconds": float(res.wall_time_s),
             }
         )

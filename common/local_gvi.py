@@ -1,8 +1,9 @@
 """The client's GVI step (FedGVI eq. 4): ``q_m = argmin_{q in Q} E_q[sum_i L(y_i; theta, x_i)] + D(q || cavity)``.
 
 :func:`local_gvi` minimises this objective over the family of the cavity (mean-field or full covariance,
-through the unconstrained parameterisations of :mod:`common.variational`) with Adam, two parameter groups
-(locations with ``lr``, scales with ``lr_scale``).  How ``E_q[sum_i L_i]`` is evaluated depends on the loss,
+through the unconstrained parameterisations of :mod:`common.variational`) with Adam: locations with ``lr``,
+scales with ``lr_scale`` (a full covariance's off-diagonal Cholesky entries with ``lr_scale / sqrt(d)``,
+:func:`_scale_groups`).  How ``E_q[sum_i L_i]`` is evaluated depends on the loss,
 the model and the configuration, in this order of preference:
 
 1. ``"closed_form"``: the loss is quadratic in the parameter vector for this model
@@ -99,7 +100,8 @@ class LocalGVIConfig:
         batch_size: minibatch size ``B`` (>= 1); ``None`` = full batch.  A ``B`` larger than the data is
             the full batch.
         lr: Adam learning rate of the location parameters (> 0).
-        lr_scale: Adam learning rate of the scale parameters (> 0); ``None`` = ``lr``.
+        lr_scale: Adam learning rate of the scale parameters (> 0); ``None`` = ``lr``.  A full covariance's
+            off-diagonal Cholesky entries take ``lr_scale / sqrt(d)`` (:func:`_scale_groups`).
         n_samples: Monte Carlo samples ``S`` per step (>= 1).
         patience: epochs without an improvement larger than ``min_delta`` before stopping (>= 1);
             ``None`` = run all ``epochs``.

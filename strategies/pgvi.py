@@ -132,7 +132,7 @@ def _reply_text(value: object, limit: int = MAX_REPLY_TEXT) -> str:
 #: Train-reply metrics the server records in the round's row, each a finite real number in [0, 2^53]
 #: (``num-examples`` an integer too).  2^53: the largest count a float holds exactly, and far from overflowing
 #: when the row sums or averages them over any number of clients (1e308 from one client made the row infinite).
-TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs", "start-narrowed", "best-epoch")
+TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs", "start-narrowed", "best-epoch", "polished")
 _TRAIN_METRIC_MAX = 2.0**53
 
 
@@ -201,7 +201,7 @@ class RoundStats:
     client_seconds: list[float] = field(default_factory=list)
     client_epochs: list[float] = field(default_factory=list)
     starts_narrowed: int = 0  # applied updates whose local optimiser started narrowed (common.client_update)
-    at_start: int = 0  # applied updates whose local optimiser returned its start (no epoch improved on it)
+    at_start: int = 0  # applied updates whose local optimiser returned its start (no epoch or polish improved on it)
     num_examples: float = 0.0
     #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -241,7 +241,7 @@ class RoundStats:
             out["client-epochs-mean"] = sum(self.client_epochs) / len(self.client_epochs)
         if self.starts_narrowed:  # the local divergence was undefined at the configured start of these updates
             out["starts-narrowed"] = self.starts_narrowed
-        if self.at_start:  # Deltas that are zero up to rounding: the local optimiser kept its start
+        if self.at_start:  # the local optimiser returned the state it started from
             out["updates-at-start"] = self.at_start
         for phase in SERVER_PHASES:
             if phase in self.phase_seconds:
@@ -1439,11 +1439,11 @@ class PGVIStrategy(Strategy):
             if "epochs" in d.metrics:
                 stats.client_epochs.append(d.metrics["epochs"])
             stats.starts_narrowed += d.metrics.get("start-narrowed", 0.0) > 0
-            if d.metrics.get("epochs", 0.0) > 0 and d.metrics.get("best-epoch") == 0:
+            if d.metrics.get("epochs", 0.0) > 0 and d.metrics.get("best-epoch") == 0 and d.metrics.get("polished") != 1:
                 stats.at_start += 1
-                log(WARNING, "round %d: client '%s': no local epoch improved on the optimiser's start (best-epoch 0 of "
-                    "%d): its update is zero up to rounding (a learning rate too large for the problem, e.g. lr-scale "
-                    "for a full-covariance Cholesky factor of many entries?)", rnd, d.client_id, int(d.metrics["epochs"]))
+                log(INFO, "round %d: client '%s': its local optimiser returned its start (no epoch of %d improved on "
+                    "it): the start was already optimal (a converged run) or the steps are too large (lr, lr-scale)",
+                    rnd, d.client_id, int(d.metrics["epochs"]))
 
     def _check_alone(self, delta: GaussianFactor) -> None:
         """Raise a :class:`PGVIError` if the server step would give an improper posterior with ``delta`` applied
