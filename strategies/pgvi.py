@@ -837,6 +837,8 @@ class PGVIStrategy(Strategy):
 
         def outcome(node: int, failed: bool, applied: bool = False) -> None:
             self._note_outcome(node, failed, applied)
+            if not applied:  # an applied update was checkpointed with it; a failure or rejection counts in the round
+                self._checkpoint()  # too, so a resumed run does not wait for one outcome more than the round had
             if not failed:
                 resend_at.pop(node, None)
                 return

@@ -213,3 +213,31 @@ def test_asynchronous_progress_is_checkpointed_and_refused_when_damaged(tmp_path
     atomic_save_npz(older / CHECKPOINT_FILE, arrays,
                     {k: v for k, v in meta.items() if k not in ("async-resolved", "async-messages")})
     load_checkpoint(PGVIStrategy(build_problem(cfg)), older)
+
+
+def test_asynchronous_failures_are_checkpointed_with_the_rounds_progress(tmp_path: Path) -> None:
+    # a review: an asynchronous failure or rejection resolved a message of the round, but only the next applied
+    # update wrote a checkpoint; a server killed in between resumed with one outcome fewer in the round
+    raw, cfg, nodes = _setup({"schedule": "asynchronous", "num-server-rounds": 3, "max-bad-replies": 0})
+    hook = _nan_in_rounds({"site-1": ("2",)})  # site-1's round-2 Delta is rejected (NaN)
+    live, frozen = tmp_path / "live", tmp_path / "frozen"
+    frozen.mkdir()
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, checkpoint_dir=live)
+    real_checkpoint = strategy._checkpoint
+
+    def die_at_the_third_outcomes_checkpoint() -> None:  # what is on disk then is what a SIGKILL leaves
+        if strategy.round_completed == 1 and strategy.async_resolved == 3:
+            shutil.copy(live / CHECKPOINT_FILE, frozen / CHECKPOINT_FILE)
+            raise _Crash("killed before round 2's third outcome was checkpointed")
+        real_checkpoint()
+
+    strategy._checkpoint = die_at_the_third_outcomes_checkpoint  # type: ignore[method-assign]
+    with pytest.raises(_Crash):
+        strategy.start(InProcessGrid(client_app, nodes, raw, reply_hook=hook))
+    assert any(r["client-id"] == "site-1" and r["round"] == 2 for r in strategy.rejections)
+    restored = PGVIStrategy(build_problem(cfg))
+    load_checkpoint(restored, frozen)
+    assert restored.round_completed == 1
+    # round 2's first two outcomes (site-0 applied, site-1 rejected) are in the checkpoint
+    assert restored.async_resolved == 2
+    assert any(r["client-id"] == "site-1" and r["round"] == 2 for r in restored.rejections)
