@@ -181,9 +181,7 @@ class LinearGaussianModel(LikelihoodModel):
         point sees the same few ``theta`` (:class:`common.local_gvi.LocalGVIConfig`, ``eval_samples``)."""
         s = _positive_int(n_samples, "n_samples", self.name)
         m, v = mean["theta"], variance["theta"]
-        if x is None:
-            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
-        a = self.design(x, int(x.shape[0]), m.dtype)  # (B, D, d)
+        a = self.design(x, self._points(x), m.dtype)  # (B, D, d)
         return GaussianOutput(_draw(a @ m, (a * a) @ v, s, generator), self.sigma)
 
     def output_local_reparam_full(self, loc: Tensor, scale_tril: Tensor, x: Tensor | None, n_samples: int,
@@ -192,11 +190,15 @@ class LinearGaussianModel(LikelihoodModel):
         ``A_b theta`` drawn on its own, ``A_b loc + (A_b L) eps`` with ``eps ~ N(0, I_d)`` per sample and point
         (exact for any design: the point's joint Gaussian; ``S B D d`` operations)."""
         s = _positive_int(n_samples, "n_samples", self.name)
-        if x is None:
-            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
-        a = self.design(x, int(x.shape[0]), loc.dtype)  # (B, D, d)
+        a = self.design(x, self._points(x), loc.dtype)  # (B, D, d)
         eps = torch.randn((s, a.shape[0], a.shape[2]), generator=generator, dtype=loc.dtype, device=loc.device)
         return GaussianOutput(a @ loc + torch.einsum("bkd,sbd->sbk", a @ scale_tril, eps), self.sigma)
+
+    def _points(self, x: Tensor | None) -> int:
+        """The number of points of a local-reparameterisation draw (one draw per row of ``x``)."""
+        if x is None:
+            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
+        return int(x.shape[0])
 
     def _targets(self, y: Tensor) -> Tensor:
         if y.dim() == 1 and self.event_dim == 1:
@@ -269,9 +271,7 @@ class GaussianLocationModel(LinearGaussianModel):
         """:meth:`LinearGaussianModel.output_local_reparam` with the identity design: each point draws
         ``theta`` itself, ``m + sqrt(v) eps`` (``B D`` operations, no ``(B, D, D)`` design)."""
         s = _positive_int(n_samples, "n_samples", self.name)
-        if x is None:
-            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
-        b = int(x.shape[0])
+        b = self._points(x)
         m, v = mean["theta"], variance["theta"]
         return GaussianOutput(_draw(m.expand(b, self.dim), v.expand(b, self.dim), s, generator), self.sigma)
 
@@ -280,9 +280,7 @@ class GaussianLocationModel(LinearGaussianModel):
         """:meth:`LinearGaussianModel.output_local_reparam_full` with the identity design: each point draws
         ``theta = loc + L eps`` itself (``S B D^2`` operations, no ``(B, D, D)`` design)."""
         s = _positive_int(n_samples, "n_samples", self.name)
-        if x is None:
-            raise ValueError(f"{self.name}: the local reparameterisation needs x (one row per point)")
-        eps = torch.randn((s, int(x.shape[0]), self.dim), generator=generator, dtype=loc.dtype, device=loc.device)
+        eps = torch.randn((s, self._points(x), self.dim), generator=generator, dtype=loc.dtype, device=loc.device)
         return GaussianOutput(loc + eps @ scale_tril.T, self.sigma)
 
 
@@ -301,8 +299,24 @@ def _with_bias(x: Tensor, bias: bool) -> Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
 
 
+class _LinearFeatures:
+    """The checked features ``[x, 1]`` (or ``x`` without a bias) of the models linear in ``theta``."""
+
+    name: str
+    in_features: int
+    bias: bool
+
+    def features(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        if x is None or x.dim() != 2 or x.shape[1] != self.in_features:
+            shape = None if x is None else tuple(x.shape)
+            raise ValueError(f"{self.name}: x must have shape (B, {self.in_features}), got {shape}")
+        if dtype is not None:
+            x = x.to(dtype)
+        return _with_bias(x, self.bias)
+
+
 @MODELS.register("linear_regression")
-class LinearRegressionModel(LinearGaussianModel):
+class LinearRegressionModel(_LinearFeatures, LinearGaussianModel):
     """``y ~ N(x^T theta, sigma^2)`` (with bias: ``[x, 1]^T theta``, bias last); ``y`` is ``(B, 1)``."""
 
     name = "linear_regression"
@@ -313,14 +327,6 @@ class LinearRegressionModel(LinearGaussianModel):
         self.bias = bool(bias)
         self.event_dim = 1
         self.param_shapes = {"theta": (self.in_features + int(self.bias),)}
-
-    def features(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        if x is None or x.dim() != 2 or x.shape[1] != self.in_features:
-            shape = None if x is None else tuple(x.shape)
-            raise ValueError(f"{self.name}: x must have shape (B, {self.in_features}), got {shape}")
-        if dtype is not None:
-            x = x.to(dtype)
-        return _with_bias(x, self.bias)
 
     def output(self, theta: Mapping[str, Tensor], x: Tensor | None) -> GaussianOutput:
         self._check_theta(theta)
@@ -336,7 +342,7 @@ class LinearRegressionModel(LinearGaussianModel):
 
 
 @MODELS.register("logistic_regression")
-class LogisticRegressionModel(LikelihoodModel):
+class LogisticRegressionModel(_LinearFeatures, LikelihoodModel):
     """Softmax regression on ``[x, 1]`` (bias last).
 
     * ``num_classes = 2``: one logit ``z = theta . [x, 1]``, logits ``[0, z]`` so ``p(y=1) = sigmoid(z)``;
@@ -362,9 +368,7 @@ class LogisticRegressionModel(LikelihoodModel):
     def logits(self, theta: Mapping[str, Tensor], x: Tensor) -> Tensor:
         s = self._check_theta(theta)
         t = theta["theta"]
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"{self.name}: x must have shape (B, {self.in_features}), got {tuple(x.shape)}")
-        phi = _with_bias(x.to(t.dtype), self.bias)
+        phi = self.features(x, t.dtype)
         if self.num_classes == 2:
             z = t @ phi.T  # (S, B)
             return torch.stack([torch.zeros_like(z), z], dim=-1)
@@ -388,10 +392,7 @@ class LogisticRegressionModel(LikelihoodModel):
         ``eval_samples``)."""
         s = _positive_int(n_samples, "n_samples", self.name)
         m, v = mean["theta"], variance["theta"]
-        if x is None or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"{self.name}: x must have shape (B, {self.in_features}), got "
-                             f"{None if x is None else tuple(x.shape)}")
-        phi = _with_bias(x.to(m.dtype), self.bias)
+        phi = self.features(x, m.dtype)
         rows = 1 if self.num_classes == 2 else self.num_classes
         w_m, w_v = m.view(rows, self.n_inputs), v.view(rows, self.n_inputs)
         return self._categorical(_draw(phi @ w_m.T, (phi * phi) @ w_v.T, s, generator))  # (S, B, rows)
@@ -403,10 +404,7 @@ class LogisticRegressionModel(LikelihoodModel):
         their own, ``Phi_b loc + (Phi_b L) eps`` with ``eps ~ N(0, I_d)`` per sample and point (exact: the
         point's joint Gaussian, classes correlated as ``q`` makes them; ``B d^2 + S B C d`` operations)."""
         s = _positive_int(n_samples, "n_samples", self.name)
-        if x is None or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"{self.name}: x must have shape (B, {self.in_features}), got "
-                             f"{None if x is None else tuple(x.shape)}")
-        phi = _with_bias(x.to(loc.dtype), self.bias)
+        phi = self.features(x, loc.dtype)
         rows = 1 if self.num_classes == 2 else self.num_classes
         d = loc.numel()
         mu = phi @ loc.view(rows, self.n_inputs).T  # (B, rows)
