@@ -16,7 +16,7 @@ from functools import lru_cache
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.node_request import whole_number
+from client.node_request import node_partition_id, whole_number
 from common.config import RunConfig, parse_run_config
 from common.deterministic_mlp import DeterministicMLP, SGDConfig, baseline_hidden_sizes, predict_log_probs, sgd_epochs
 from common.metrics import classification_metrics_from_log_probs
@@ -40,10 +40,7 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, int, ArraysSplit,
     if "num-partitions" in nc and whole_number(nc, "num-partitions", 0) != cfg.num_clients:
         raise ValueError(f"node config num-partitions={nc['num-partitions']} disagrees with run config "
                          f"num-clients={cfg.num_clients}")
-    if "partition-id" not in nc and cfg.num_clients > 1:  # as the PGVI client: else every such node trained partition 0
-        raise ValueError(f"node config partition-id is missing: with num-clients={cfg.num_clients} each node must say "
-                         "which partition it holds")
-    partition_id = whole_number(nc, "partition-id", 0)
+    partition_id = node_partition_id(nc, cfg.num_clients)
     configure_threads(whole_number(nc, "torch-threads", cfg.torch_threads or 1))
     hidden = baseline_hidden_sizes(cfg)  # ConfigError for a model that is not a classifier
     shard = _shard(cfg, partition_id)

@@ -55,6 +55,20 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault injection to make a reply disappear."""
 
 
+class MissingPartitionId(PGVIError, ValueError):
+    """A node config without ``partition-id`` in a run of several clients."""
+
+
+def node_partition_id(node_config: Mapping[str, Scalar], num_clients: int) -> int:
+    """The node's ``partition-id`` (:func:`whole_number`); required when the run has more than one client, since
+    without it a node trained partition 0 whatever its client-id (the PGVI and the FedAvg client both)."""
+    if "partition-id" not in node_config and num_clients > 1:
+        raise MissingPartitionId(f"node config partition-id is missing: with num-clients={num_clients} each node must "
+                                 "say which partition it holds (Flower's simulation sets it; deploy.py, the compose "
+                                 "file and docs/edge.md give it)")
+    return whole_number(node_config, "partition-id", 0)
+
+
 def whole_number(node_config: Mapping[str, Scalar], key: str, default: int) -> int:
     """Node config ``key`` as an ``int`` (``default`` when absent): an integer, a float with no fractional part
     (``2.0``) or a string of one (``"2"``), as the train path's ``int(...)`` reads them.
@@ -103,11 +117,7 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
     from common.config import MAX_TORCH_THREADS, ConfigError, parse_run_config
 
     cfg = parse_run_config(dict(run_config))
-    if "partition-id" not in node_config and cfg.num_clients > 1:  # else it trained partition 0, as every such node
-        raise PGVIError(f"node config partition-id is missing: with num-clients={cfg.num_clients} each node must say "
-                        "which partition it holds (Flower's simulation sets it; deploy.py, the compose file and "
-                        "docs/edge.md give it)")
-    partition_id = whole_number(node_config, "partition-id", 0)
+    partition_id = node_partition_id(node_config, cfg.num_clients)
     if "num-partitions" in node_config and whole_number(node_config, "num-partitions", 0) != cfg.num_clients:
         raise PGVIError(
             f"node config num-partitions={node_config['num-partitions']} disagrees with run config "
