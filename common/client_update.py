@@ -146,6 +146,8 @@ def client_step(
                 "objective": float(res.final_objective),
                 "best-epoch": float(res.best_epoch),
                 "polished": float(res.polished),
+                # steps that left the divergence's domain and were cut short (common/domain_guard.py)
+                "domain-cuts": float(res.domain_cuts),
                 "local-seconds": float(res.wall_time_s),
             }
         )

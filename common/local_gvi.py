@@ -47,6 +47,10 @@ cavity's precomputed mean and precision, checked against :mod:`common.divergence
 scales are computed once per step for the loss and the divergence; any other divergence is called as the
 generic ``divergence(q, cavity)`` object.  Adam is torch's fused CPU implementation.
 
+With Alpha-Renyi for ``alpha > 1`` or ``alpha < 0`` the divergence is finite only on part of the family; a step
+(Adam's, or the explicit step's) that leaves that domain, shrunk by a small margin, is cut short
+(:mod:`common.domain_guard`): it used to end the client's update.
+
 Every random draw (sampling and shuffling) comes from one ``torch.Generator`` seeded with ``seed``, so a
 run is bit-for-bit reproducible.  A non-finite objective or parameter raises
 :class:`~common.errors.NonFiniteError` at once, naming the epoch and step.
@@ -67,6 +71,7 @@ from torch import Tensor
 
 from common.errors import (DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError,
                            ShapeMismatchError)
+from common.domain_guard import domain_guard
 from common.explicit_step import OneHiddenLayerStep
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common import fused_meanfield
@@ -220,6 +225,8 @@ class LocalGVIResult:
         path: ``"closed_form"``, ``"quadrature"``, ``"mc_local_reparam"``, ``"mc_local_reparam_full"`` or
             ``"mc_weights"``.
         polished: whether an L-BFGS polish was run and kept.
+        domain_cuts: steps that left the divergence's (shrunk) domain and were cut short (Alpha-Renyi with
+            ``alpha > 1`` or ``< 0``: :mod:`common.domain_guard`).
     """
 
     posterior: GaussianFactor
@@ -232,6 +239,7 @@ class LocalGVIResult:
     final_objective: float = float("nan")
     path: str = ""
     polished: bool = False
+    domain_cuts: int = 0
 
 
 # ==================================================================================================
@@ -706,6 +714,9 @@ def local_gvi(
     gen = torch.Generator().manual_seed(int(config.seed))
 
     # the one-hidden-layer BNN's step without autograd where it applies (bit-identical: common/explicit_step.py)
+    # Alpha-Renyi with alpha > 1 or < 0: a step that leaves the (shrunk) domain is cut short (common/domain_guard.py)
+    guard = domain_guard(divergence, cavity, q)
+    domain_cuts = 0
     explicit = (OneHiddenLayerStep.create(model, loss, q, obj.fast_divergence, obj.x, obj.y, config.n_samples,
                                           optimiser) if obj.path == "mc_local_reparam" else None)
     running_mode = config.objective_estimate == "running"
@@ -730,21 +741,25 @@ def local_gvi(
         for step, idx in enumerate(batches):
             if running_mode and step == last_step:
                 measured_state = q.snapshot()
+            if guard is not None:
+                guard.remember(q)
             if explicit is not None:  # the whole step, the optimiser's update included
                 explicit(idx, gen, lambda e, d: running.append(_finite_float(e, d, f"epoch {epoch}, step {step}")))
-                continue
-            optimiser.zero_grad()
-            moments = obj.moments(q)
-            if obj.path == "closed_form":
-                expected = obj.full_expected_loss(q, None)
             else:
-                xb, yb = _rows(obj.x, idx), _rows(obj.y, idx)
-                expected = obj.batch_expected_loss(q, xb, yb, gen, moments=moments) * (n / int(xb.shape[0]))
-            div = obj.divergence_term(q, moments)
-            value = _finite_float(expected.detach(), div.detach(), f"epoch {epoch}, step {step}")
-            running.append(value)
-            (expected + div).backward()
-            optimiser.step()
+                optimiser.zero_grad()
+                moments = obj.moments(q)
+                if obj.path == "closed_form":
+                    expected = obj.full_expected_loss(q, None)
+                else:
+                    xb, yb = _rows(obj.x, idx), _rows(obj.y, idx)
+                    expected = obj.batch_expected_loss(q, xb, yb, gen, moments=moments) * (n / int(xb.shape[0]))
+                div = obj.divergence_term(q, moments)
+                value = _finite_float(expected.detach(), div.detach(), f"epoch {epoch}, step {step}")
+                running.append(value)
+                (expected + div).backward()
+                optimiser.step()
+            if guard is not None and guard.cut(q):
+                domain_cuts += 1
         for p in q.parameters():
             if not all_finite(p):
                 raise NonFiniteError(f"local_gvi: non-finite variational parameters after epoch {epoch}")
@@ -784,6 +799,7 @@ def local_gvi(
         final_objective=final_value,
         path=obj.path,
         polished=polished,
+        domain_cuts=domain_cuts,
     )
 
 

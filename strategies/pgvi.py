@@ -132,7 +132,8 @@ def _reply_text(value: object, limit: int = MAX_REPLY_TEXT) -> str:
 #: Train-reply metrics the server records in the round's row, each a finite real number in [0, 2^53]
 #: (``num-examples`` an integer too).  2^53: the largest count a float holds exactly, and far from overflowing
 #: when the row sums or averages them over any number of clients (1e308 from one client made the row infinite).
-TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs", "start-narrowed", "best-epoch", "polished")
+TRAIN_ROW_METRICS = ("num-examples", "seconds", "epochs", "start-narrowed", "best-epoch", "polished",
+                     "domain-cuts")
 _TRAIN_METRIC_MAX = 2.0**53
 
 
@@ -202,6 +203,7 @@ class RoundStats:
     client_epochs: list[float] = field(default_factory=list)
     starts_narrowed: int = 0  # applied updates whose local optimiser started narrowed (common.client_update)
     at_start: int = 0  # applied updates whose local optimiser returned its start (no epoch or polish improved on it)
+    domain_cut: int = 0  # applied updates with local steps cut short at the divergence's domain (common.domain_guard)
     num_examples: float = 0.0
     #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -243,6 +245,8 @@ class RoundStats:
             out["starts-narrowed"] = self.starts_narrowed
         if self.at_start:  # the local optimiser returned the state it started from
             out["updates-at-start"] = self.at_start
+        if self.domain_cut:  # the local optimiser's steps were cut short at the local divergence's domain
+            out["updates-domain-cut"] = self.domain_cut
         for phase in SERVER_PHASES:
             if phase in self.phase_seconds:
                 out[f"server-seconds-{phase}"] = self.phase_seconds[phase]
@@ -1441,6 +1445,7 @@ class PGVIStrategy(Strategy):
             if "epochs" in d.metrics:
                 stats.client_epochs.append(d.metrics["epochs"])
             stats.starts_narrowed += d.metrics.get("start-narrowed", 0.0) > 0
+            stats.domain_cut += d.metrics.get("domain-cuts", 0.0) > 0
             if d.metrics.get("epochs", 0.0) > 0 and d.metrics.get("best-epoch") == 0 and d.metrics.get("polished") != 1:
                 stats.at_start += 1
                 log(INFO, "round %d: client '%s': its local optimiser returned its start (no epoch of %d improved on "
