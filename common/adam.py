@@ -83,6 +83,31 @@ class Adam:
             out.append((self.exp_avg[id(p)], self.exp_avg_sq[id(p)], -(lr_of[id(p)] / bc1), math.sqrt(bc2)))
         return out
 
+    def step_bound(self, params: Sequence[Tensor]) -> float | None:
+        """The most any entry of ``params`` can move in one step, whatever the gradients: ``lr`` (the largest of their
+        groups') times ``K = sup_t |m_hat_t| / sqrt(v_hat_t)``; ``None`` if ``beta1^2 >= beta2`` (no such bound).
+
+        With ``r = beta1^2 / beta2``, Cauchy-Schwarz on ``m_t = (1 - beta1) sum_i beta1^(t-i) g_i`` against
+        ``v_t = (1 - beta2) sum_i beta2^(t-i) g_i^2`` gives ``|m_t| <= (1 - beta1) sqrt((1 - r^t) / (1 - r))
+        sqrt(v_t / (1 - beta2))``; the bias corrections multiply by ``sqrt(1 - beta2^t) / (1 - beta1^t)``, and ``eps``
+        only shrinks the step.  ``K`` is the supremum of the product over ``t`` (7.28 for the defaults 0.9, 0.999,
+        where a typical step is about 1 x ``lr``), taken over ``t`` up to where it is at its limit, times 1.01."""
+        lr_of = {id(p): lr for ps, lr in self.groups for p in ps}
+        if not params or any(id(p) not in lr_of for p in params):
+            raise ValueError("Adam.step_bound: a parameter is not in any group")
+        b1, b2 = self.beta1, self.beta2
+        r = b1 * b1 / b2
+        if not r < 1.0:
+            return None
+        k, t = 0.0, 1
+        while True:  # the product increases to its limit after its early dip; stop once every factor has converged
+            k = max(k, (1 - b1) * math.sqrt((1 - r**t) / ((1 - r) * (1 - b2))) * math.sqrt(1 - b2**t) / (1 - b1**t))
+            if b2**t < 1e-12 and r**t < 1e-12 and b1**t < 1e-12:
+                break
+            t = t + 1 if t < 64 else 2 * t
+        limit = (1 - b1) / math.sqrt((1 - r) * (1 - b2))
+        return 1.01 * max(k, limit) * max(lr_of[id(p)] for p in params)
+
     def fused_applies(self, params: Sequence[Tensor]) -> bool:
         """Whether :meth:`step` updates ``params`` with torch's fused kernel (float32 or float64 CPU tensors)."""
         return self._fused_applies(list(params))

@@ -715,7 +715,7 @@ def local_gvi(
 
     # the one-hidden-layer BNN's step without autograd where it applies (bit-identical: common/explicit_step.py)
     # Alpha-Renyi with alpha > 1 or < 0: a step that leaves the (shrunk) domain is cut short (common/domain_guard.py)
-    guard = domain_guard(divergence, cavity, q)
+    guard = domain_guard(divergence, cavity, q, optimiser.step_bound(q.scale_parameters()))
     domain_cuts = 0
     explicit = (OneHiddenLayerStep.create(model, loss, q, obj.fast_divergence, obj.x, obj.y, config.n_samples,
                                           optimiser) if obj.path == "mc_local_reparam" else None)

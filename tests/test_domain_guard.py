@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from common.divergences import make_divergence
-from common.domain_guard import (DOMAIN_MARGIN, MAX_HALVINGS, FullCovarianceDomainGuard, MeanFieldDomainGuard,
-                                 bounded_ratio, domain_guard)
+from common.domain_guard import (DOMAIN_MARGIN, FullCovarianceDomainGuard, MeanFieldDomainGuard, bounded_ratio,
+                                 domain_guard)
 from common.errors import DivergenceUndefinedError
 from common.families import FullCovarianceGaussian, MeanFieldGaussian
 from common.local_gvi import LocalGVIConfig, local_gvi
@@ -111,45 +111,85 @@ def _whitened_eigenvalues(q: FullCovarianceVariational, cov_p: torch.Tensor) -> 
     return torch.linalg.eigvalsh(0.5 * (w + w.T))
 
 
-def test_a_full_covariance_step_out_of_the_domain_is_halved_until_it_is_inside():
+def _full_case(alpha: float):
     g = torch.Generator().manual_seed(3)
     a = torch.randn(3, 3, generator=g, dtype=F64)
     cov_p = a @ a.T + 0.5 * torch.eye(3, dtype=F64)
     chol_p = torch.linalg.cholesky(cov_p)
-    alpha = 3.0
-    c = alpha / (alpha - 1.0)
     basis, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=F64))
 
-    def covariance(eig):  # eigenvalues in p-whitened coordinates
+    def covariance(eig):  # eigenvalues in cavity-whitened coordinates
         return chol_p @ basis @ torch.diag(torch.tensor(eig, dtype=F64)) @ basis.T @ chol_p.T
 
-    cavity = _full([0.0, 0.0, 0.0], cov_p)
+    return _full([0.0, 0.0, 0.0], cov_p), cov_p, basis, covariance
+
+
+def _set_scale(q: FullCovarianceVariational, cov: torch.Tensor) -> None:
+    stepped = FullCovarianceVariational(_full([0.0, 0.0, 0.0], cov))
+    with torch.no_grad():
+        for p, s in zip(q.scale_parameters(), stepped.scale_parameters()):
+            p.copy_(s)
+
+
+def test_a_full_covariance_step_out_of_the_domain_is_cut_direction_by_direction():
+    alpha = 3.0
+    c = alpha / (alpha - 1.0)
+    cavity, cov_p, basis, covariance = _full_case(alpha)
     q = FullCovarianceVariational(_full([1.0, -2.0, 0.5], covariance([0.5 * c, 0.8 * c, 0.9 * c])))
     guard = domain_guard(make_divergence("alpha_renyi", alpha=alpha), cavity, q)
     assert isinstance(guard, FullCovarianceDomainGuard)
     guard.remember(q)
-    before = [p.detach().clone() for p in q.scale_parameters()]
-    stepped = FullCovarianceVariational(_full([1.0, -2.0, 0.5], covariance([0.5 * c, 1.2 * c, 2.0 * c])))
-    with torch.no_grad():
-        for p, s in zip(q.scale_parameters(), stepped.scale_parameters()):
-            p.copy_(s)
-    after = [p.detach().clone() for p in q.scale_parameters()]
-    halvings = guard.cut(q)
-    assert 1 <= halvings <= MAX_HALVINGS
-    t = 0.5**halvings
-    for p, b, a_ in zip(q.scale_parameters(), before, after):
-        assert torch.allclose(p.detach(), b + t * (a_ - b), rtol=0, atol=1e-15)
-    assert float(_whitened_eigenvalues(q, cov_p).max()) < (1 - DOMAIN_MARGIN) * c
-    # one halving fewer was outside: the cut is the longest halved step inside
-    with torch.no_grad():
-        for p, b, a_ in zip(q.scale_parameters(), before, after):
-            p.copy_(b + 2 * t * (a_ - b))
-    assert not guard.inside(q)
+    loc = q.loc.detach().clone()
+    _set_scale(q, covariance([0.5 * c, 1.2 * c, 2.0 * c]))  # "the step": two directions out of the domain
+    assert guard.cut(q) == 2
+    bound = (1 - DOMAIN_MARGIN) * c
+    target = 0.5 * (0.9 * c + bound)  # half-way from the pre-step state's largest eigenvalue to the bound
+    e_new = _whitened_eigenvalues(q, cov_p)
+    assert torch.allclose(e_new, torch.tensor([0.5 * c, target, target], dtype=F64), rtol=1e-10)
+    linv = torch.linalg.inv(torch.linalg.cholesky(cov_p))
+    w = linv @ q.mean_covariance()[1].detach() @ linv.T
+    assert float(basis[:, 0] @ w @ basis[:, 0]) == pytest.approx(0.5 * c, rel=1e-10)  # the direction inside: kept
+    assert torch.equal(q.loc.detach(), loc)
+    assert math.isfinite(float(make_divergence("alpha_renyi", alpha=alpha)(q.distribution().detach(), cavity)))
+    guard.remember(q)
+    assert guard.cut(q) == 0  # a cut state is not cut again
     inside = FullCovarianceVariational(_full([0.0, 0.0, 0.0], 0.5 * cov_p))
     guard.remember(inside)
     kept = [p.detach().clone() for p in inside.parameters()]
     assert guard.cut(inside) == 0
     assert all(torch.equal(p.detach(), k) for p, k in zip(inside.parameters(), kept))
+
+
+@pytest.mark.parametrize("alpha", [3.0, -3.0])
+def test_a_full_covariance_start_inside_the_margin_band_is_cut_to_the_bound(alpha):
+    # a review of the first version: halving the step toward a start that is itself past the shrunk bound never
+    # got inside, so every step was undone and the state never moved (3000 undone steps, objective 0.7 nats up)
+    c = alpha / (alpha - 1.0)
+    sign = -1.0 if alpha > 1 else 1.0
+    cavity, cov_p, _, covariance = _full_case(alpha)
+    start = [(1 + sign * 0.25 * DOMAIN_MARGIN) * c, 0.5 * c if alpha > 1 else 2.0 * c, 0.7 * c if alpha > 1 else 3 * c]
+    q = FullCovarianceVariational(_full([0.0, 0.0, 0.0], covariance(start)))
+    guard = domain_guard(make_divergence("alpha_renyi", alpha=alpha), cavity, q)
+    guard.remember(q)
+    assert guard.cut(q) == 1
+    e_new = _whitened_eigenvalues(q, cov_p)
+    expected = sorted([(1 + sign * DOMAIN_MARGIN) * c, start[1], start[2]])
+    assert torch.allclose(e_new, torch.tensor(expected, dtype=F64), rtol=1e-10)
+
+
+def test_a_full_covariance_run_from_inside_the_margin_band_moves():
+    # the reviewer's case: alpha 2.5, a start 0.9995 c wide in one coordinate, small scale steps; the first version
+    # undid every step and returned the start (objective 49.70 against 48.99 from the old code)
+    alpha = 2.5
+    c = alpha / (alpha - 1.0)
+    model, y, _, _ = _location(alpha, start_var=0.5)
+    cavity = FullCovarianceGaussian.from_mean_covariance(torch.zeros(2, dtype=F64), torch.eye(2, dtype=F64))
+    start = FullCovarianceGaussian.from_mean_covariance(
+        torch.zeros(2, dtype=F64), torch.diag(torch.tensor([(1 - 0.25 * DOMAIN_MARGIN) * c, 0.5], dtype=F64)))
+    cfg = LocalGVIConfig(epochs=100, lr=0.05, lr_scale=1e-6, patience=None, init="posterior", polish=False, seed=0)
+    res = local_gvi(model, make_loss("nll"), make_divergence("alpha_renyi", alpha=alpha), cavity, None, y, start, cfg)
+    assert res.domain_cuts == 1  # the first step, from the band to the bound; later steps stay inside
+    assert res.best_epoch == 100 and res.final_objective < res.initial_objective - 0.2  # 49.87 against 50.10
 
 
 def test_no_guard_where_the_divergence_is_finite_everywhere():
@@ -266,3 +306,85 @@ def test_bnn_with_alpha_fifty_and_small_batches_runs_every_round(dtype):
     assert [r["applied"] for r in rows] == [3.0, 3.0, 3.0]
     assert [r.get("updates-domain-cut") for r in rows] == [None, 3.0, 3.0]  # every second and third visit
     assert rows[-1]["client-accuracy"] > 0.9  # 0.936 (float32), 0.942 (float64) when written
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# skipping the guard's passes while no step can reach the bound
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.999), (0.9, 0.99), (0.5, 0.3)])
+def test_adams_step_bound_holds_for_adversarial_gradients(betas):
+    from common.adam import Adam
+
+    lr = 0.01
+    g = torch.Generator().manual_seed(0)
+    sequences = [
+        torch.randn(300, 64, generator=g, dtype=F64),  # noise
+        torch.cat([torch.zeros(200, 64, dtype=F64), torch.ones(100, 64, dtype=F64)]),  # silence, then a jump
+        # gradients growing at the rate that makes Cauchy-Schwarz tight, with a constant sign
+        (betas[1] ** 0.5 / max(betas[0], 1e-3)) ** torch.arange(300, dtype=F64).clamp(max=60).unsqueeze(1)
+        * torch.ones(1, 64, dtype=F64) * 1e-20,
+    ]
+    for grads in sequences:
+        p = torch.zeros(64, dtype=F64, requires_grad=True)
+        opt = Adam([([p], lr)], betas=betas)
+        bound = opt.step_bound([p])
+        assert bound is not None
+        largest = 0.0
+        for grad in grads:
+            before = p.detach().clone()
+            p.grad = grad.clone()
+            opt.step()
+            largest = max(largest, float((p.detach() - before).abs().max()))
+        assert largest <= bound
+    q = torch.zeros(1, requires_grad=True)
+    assert Adam([([q], lr)], betas=(0.99, 0.9)).step_bound([q]) is None  # beta1^2 >= beta2: no bound
+
+
+@pytest.mark.parametrize("case", ["location", "bnn"])
+def test_skipping_while_far_from_the_bound_changes_nothing(case, monkeypatch):
+    # the guard with the optimiser's step bound (it skips its passes while no coordinate can reach its bound) gives
+    # the same bits as the guard that checks every step
+    from common.adam import Adam
+
+    if case == "location":
+        alpha = 20.0
+        model, y, cavity, start = _location(alpha, start_var=0.5)
+        x, loss = None, make_loss("nll")
+        cfg = LocalGVIConfig(epochs=300, lr=0.2, patience=None, init="posterior", polish=False, seed=1)
+    else:  # a BNN with a loose bound (alpha 1.5: skipped steps), then a tight one (alpha 50: cut steps); the weights
+        # of three always-zero inputs start at the cavity, where Adam turns rounding-level gradients into full steps
+        g = torch.Generator().manual_seed(0)
+        model = make_model("bnn", in_features=6, hidden=[5], num_classes=3)
+        x = torch.randn(64, 6, generator=g)
+        x[:, :3] = 0.0
+        y = torch.randint(0, 3, (64,), generator=g)
+        loss = make_loss("nll")
+        cavity = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 0.01, dtype=torch.float32)
+        mean = model.init_mean(torch.Generator().manual_seed(0))
+        mean["layers.0.weight"][:, :3] = 0.0
+        start = MeanFieldGaussian.from_mean_variance(mean, {k: torch.full_like(v, 0.01) for k, v in mean.items()})
+        cfg = LocalGVIConfig(epochs=30, batch_size=16, lr=0.05, patience=None, init="posterior", seed=2)
+    runs, skipped = {}, []
+    remember = MeanFieldDomainGuard.remember
+
+    def counting(self, q):
+        remember(self, q)
+        skipped.append(self._skipped)
+
+    monkeypatch.setattr(MeanFieldDomainGuard, "remember", counting)
+    for skipping in (True, False):
+        if not skipping:
+            monkeypatch.setattr(Adam, "step_bound", lambda self, params: None)
+        for a in ((alpha,) if case == "location" else (1.5, 50.0)):
+            res = local_gvi(model, loss, make_divergence("alpha_renyi", alpha=a), cavity, x, y, start, cfg)
+            runs[(skipping, a)] = res
+    for key, res in runs.items():
+        if key[0]:
+            other = runs[(False, key[1])]
+            assert res.domain_cuts == other.domain_cuts and res.objective_trace == other.objective_trace
+            for k, v in res.posterior.params.items():
+                assert torch.equal(v, other.posterior.params[k])
+    assert any(res.domain_cuts > 0 for res in runs.values())
+    half = len(skipped) // 2  # the skipping runs came first
+    assert not any(skipped[half:])
+    if case == "bnn":  # they skipped steps (the location problem's steps, 7 x lr 0.2, can always reach the bound)
+        assert 0 < sum(skipped[:half]) < half
