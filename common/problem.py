@@ -118,7 +118,9 @@ def _partition_error(cfg: RunConfig, labels: np.ndarray, err: ValueError) -> Con
             msg = (f"partitioner: label_skew with num-clients={m}, classes-per-client={k}: a class of '{ds}' has "
                    "fewer training points than clients holding it; lower num-clients or classes-per-client")
     elif cfg.partitioner == "dirichlet":
-        if m * DIRICHLET_MIN_SIZE > n:
+        if "degenerate" in str(err):  # alpha so large that numpy's draw is all zeros (common/data/partition.py)
+            msg = f"dirichlet-alpha: {err}"
+        elif m * DIRICHLET_MIN_SIZE > n:
             msg = (f"num-clients: partitioner dirichlet gives every client at least {DIRICHLET_MIN_SIZE} training "
                    f"points; {m} clients need {m * DIRICHLET_MIN_SIZE}, '{ds}' has {n}")
         else:

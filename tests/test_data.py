@@ -802,3 +802,24 @@ def test_conjugate_linear_regression_residuals_are_gaussian():
         conjugate_linear_regression(sigma=0.0)
     with pytest.raises(ValueError, match="theta"):
         conjugate_linear_regression(dim=3, theta=np.ones(2))
+
+
+def test_dirichlet_with_an_overflowing_alpha_is_refused_not_given_to_the_last_client():
+    # a review: numpy's Dirichlet draw is all zeros once num_partitions x alpha overflows, and every point went to the
+    # last partition without an error (min_size 0), or the run config said "raise dirichlet-alpha"
+    from common.data.partition import dirichlet
+
+    labels = np.repeat(np.arange(10), 50)
+    assert [len(p) for p in dirichlet(labels, 3, 0, alpha=1e307, min_size=0)] == [160, 170, 170]
+    with pytest.raises(ValueError, match="degenerate"):
+        dirichlet(labels, 3, 0, alpha=1e308, min_size=0)
+
+
+def test_an_overflowing_dirichlet_alpha_is_a_config_error_that_says_lower_it():
+    from common.config import ConfigError, parse_run_config
+    from common.problem import train_partition
+
+    cfg = parse_run_config({"dataset": "digits", "model": "logistic_regression", "partitioner": "dirichlet",
+                            "dirichlet-alpha": 1e308})
+    with pytest.raises(ConfigError, match="dirichlet-alpha: .*degenerate.*lower alpha"):
+        train_partition(cfg)

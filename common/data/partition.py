@@ -208,6 +208,9 @@ def dirichlet(
             shares = rng.dirichlet(concentration)
             if not np.all(np.isfinite(shares)):  # pragma: no cover - numpy handles tiny alpha
                 raise ValueError(f"Dirichlet draw with alpha={alpha} is not finite; increase alpha")
+            if not shares.sum() > 0.5:  # numpy returns all zeros once num_partitions x alpha overflows a float
+                raise ValueError(f"Dirichlet draw with alpha={alpha} is degenerate (all shares 0: num_partitions x "
+                                 "alpha overflows); lower alpha (1e6 already gives nearly equal shares)")
             cuts = np.floor(np.cumsum(shares) * idx.size).astype(np.int64)
             cuts[-1] = idx.size  # guard against cumsum rounding just below 1
             sizes = np.diff(np.concatenate(([0], np.minimum(cuts, idx.size))))
