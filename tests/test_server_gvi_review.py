@@ -205,21 +205,31 @@ SEPARABLE = [("reverse_kl", {}, None), ("alpha_renyi", {"alpha": 0.5}, 0.5), ("a
 def test_separable_mean_field_step_at_scale_matches_the_per_coordinate_oracle(name, hyper, a, spread):
     # failed before the fix (ServerOptimisationError: did not converge, max |gradient| ~1e-4..1e-3 > 1e-5; alpha = -1:
     # DivergenceUndefinedError from a line-search probe)
+    # the descent (method "optimise"; "auto" solves mean-field Alpha-Renyi exactly, checked here too)
     (m0, v0, e1, e2), prior, site = mean_field_problem(256, seed=0, spread=spread)
-    step = make_server_step(name, **hyper)
+    step = make_server_step(name, method="optimise", **hyper)
     q = step(prior, site)
     ref = np.array([separable_reference(a, *c) for c in zip(m0, v0, e1, e2)])
     _assert_close_mf(q, ref[:, 0], ref[:, 1], 1e-7, name)
     assert step.last_info["path"] == "optimise" and step.last_info["newton_max"] <= step.fail_grad
+    if a is not None:
+        exact = make_server_step(name, **hyper)
+        _assert_close_mf(exact(prior, site), ref[:, 0], ref[:, 1], 1e-7, name)
+        assert exact.last_info["path"] == "exact"
 
 
-def test_a_coordinate_pressed_against_the_domain_boundary_is_not_called_converged():
+#: the mean-field Alpha-Renyi step: "auto" solves it exactly (common.server_alpha_renyi), "optimise" descends
+MF_AR_METHODS = pytest.mark.parametrize("method", ["auto", "optimise"])
+
+
+@MF_AR_METHODS
+def test_a_coordinate_pressed_against_the_domain_boundary_is_not_called_converged(method):
     # alpha = -1 confines each variance above v0 / 2, with a log barrier; site precisions up to 1e10 put the minimiser
     # ~1e-10 inside it.  A global line search once left one coordinate on the barrier to rounding, where the Newton
     # step (~ the distance to the barrier) is tiny but the Newton decrement is ~1: a measure of the Newton step
     # alone accepted that point (error 6e-2 standard deviations, gradient 6e13)
     (m0, v0, e1, e2), prior, site = mean_field_problem(256, seed=11, spread=10.0)
-    q = make_server_step("alpha_renyi", alpha=-1.0)(prior, site)
+    q = make_server_step("alpha_renyi", alpha=-1.0, method=method)(prior, site)
     ref = np.array([separable_reference(-1.0, *c) for c in zip(m0, v0, e1, e2)])
     _assert_close_mf(q, ref[:, 0], ref[:, 1], 1e-7, "alpha_renyi -1")
 
@@ -295,16 +305,18 @@ def _check_mf1(q, refs, tol=1e-7):
         assert abs(mq[k] - mr) / math.sqrt(vr) < tol and abs(vq[k] / vr - 1.0) < tol, (k, mq[k], mr, vq[k], vr)
 
 
+@MF_AR_METHODS
 @pytest.mark.parametrize("m0, v0, e1, e2", AR25_CASES)
-def test_alpha_renyi_2_5_with_an_improper_site_stays_in_the_domain(m0, v0, e1, e2):
+def test_alpha_renyi_2_5_with_an_improper_site_stays_in_the_domain(m0, v0, e1, e2, method):
     # the last case raised DivergenceUndefinedError before the fix (a line-search probe outside the domain)
     prior, site = _mf1(m0, v0, e1, e2)
     for opts in ({}, {"adam_steps": 200}):
-        q = make_server_step("alpha_renyi", alpha=2.5, **opts)(prior, site)
+        q = make_server_step("alpha_renyi", alpha=2.5, method=method, **opts)(prior, site)
         _check_mf1(q, [separable_reference(2.5, m0, v0, e1, e2)])
 
 
-def test_alpha_renyi_above_one_random_well_posed_problems():
+@MF_AR_METHODS
+def test_alpha_renyi_above_one_random_well_posed_problems(method):
     # the reviewer's search: 6 of these 60 raised DivergenceUndefinedError before the fix
     rng = np.random.default_rng(7)
     for _ in range(60):
@@ -313,11 +325,12 @@ def test_alpha_renyi_above_one_random_well_posed_problems():
         e1 = rng.normal(scale=2.0, size=3)
         e2 = rng.uniform(-2.0, 0.5, size=3) / (2 * a * v0)  # bounded below: e2 < 1/(2 a v0)
         prior, site = _mf1(m0, v0, e1, e2)
-        q = make_server_step("alpha_renyi", alpha=a)(prior, site)
+        q = make_server_step("alpha_renyi", alpha=a, method=method)(prior, site)
         _check_mf1(q, [separable_reference(a, *c) for c in zip(m0, v0, e1, e2)])
 
 
-def test_alpha_renyi_random_proper_sites_one_coordinate():
+@MF_AR_METHODS
+def test_alpha_renyi_random_proper_sites_one_coordinate(method):
     # alpha = -1: 16 of these 60 raised DivergenceUndefinedError before the fix
     rng = np.random.default_rng(1)
     for _ in range(60):
@@ -325,7 +338,7 @@ def test_alpha_renyi_random_proper_sites_one_coordinate():
         lam = math.exp(rng.normal(scale=1.5))
         for a in (2.0, -1.0, 3.0):
             prior, site = _mf1(0.0, 1.0, e1, -0.5 * lam)
-            q = make_server_step("alpha_renyi", alpha=a)(prior, site)
+            q = make_server_step("alpha_renyi", alpha=a, method=method)(prior, site)
             _check_mf1(q, [separable_reference(a, 0.0, 1.0, e1, -0.5 * lam)])
 
 
