@@ -77,7 +77,12 @@ from common.divergences import KL, AlphaRenyi, Divergence, FisherRao, ReverseKL,
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
 from common.factors import ServerStep, kl_server_step
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
-from common.server_alpha_renyi import mean_field_alpha_renyi_step
+from common.server_alpha_renyi import (
+    full_covariance_separable_start,
+    mean_field_alpha_renyi_step,
+    mean_field_unbounded,
+    whitened_sites,
+)
 from common.variational import (
     DEFAULT_MIN_SCALE,
     FullCovarianceVariational,
@@ -470,13 +475,58 @@ class ServerGVIStep:
             if self.method == "auto" and isinstance(prior64, MeanFieldGaussian):
                 assert isinstance(site64, MeanFieldGaussian)
                 exact, info = mean_field_alpha_renyi_step(prior64, site64, alpha)
-                if exact is not None:
-                    self._check_min_scale(exact)
+                if exact is None:
                     self.last_info = info
-                    return exact.to(dtype).check_finite("server posterior").check_proper("server posterior")
+                    raise ServerOptimisationError(
+                        f"server GVI step ({self.divergence!r}): {info['unsolved']} coordinate(s) of the global site "
+                        "have values beyond float64's range for the exact solver (a relative precision below "
+                        "~1e-101 or above ~1e96, or a linear term beyond ~1e145, in the prior's units); no minimiser was verified")
+                self._check_min_scale(exact)
+                self.last_info = info
+                return exact.to(dtype).check_finite("server posterior").check_proper("server posterior")
         start, _ = self._start(prior64, site64)
-        out, self.last_info = self._minimise(prior64, site64, start, {"best": math.inf})
+        if self.method == "auto" and isinstance(self.divergence, AlphaRenyi) and isinstance(
+                prior64, FullCovarianceGaussian):
+            assert isinstance(site64, FullCovarianceGaussian)
+            out, self.last_info = self._lower_of_two_starts(prior64, site64, start)
+        else:
+            out, self.last_info = self._minimise(prior64, site64, start, {"best": math.inf})
         return out.to(dtype).check_finite("server posterior").check_proper("server posterior")
+
+    def _lower_of_two_starts(self, prior64: FullCovarianceGaussian, site64: FullCovarianceGaussian,
+                             start: GaussianFactor) -> tuple[GaussianFactor, dict[str, Any]]:
+        """Full-covariance Alpha-Renyi: the descent from ``start`` and, where the objective restricted to covariances
+        diagonal in the site's relative eigenbasis has a coordinate with two local minima (it is not convex there)
+        or the first descent failed, also from that restriction's exact minimiser
+        (:func:`~common.server_alpha_renyi.full_covariance_separable_start`); the lower converged result wins
+        (``last_info["starts"]`` says which ran, ``"winner"`` which won).  Raises the first descent's error if
+        neither converged."""
+        alpha = self.divergence.alpha  # type: ignore[attr-defined]
+        try:
+            second, sep_info = full_covariance_separable_start(prior64, site64, alpha)
+        except (PGVIError, RuntimeError, ValueError):  # a factorisation failing on extreme values
+            second, sep_info = None, {}
+        try:
+            first = self._minimise(prior64, site64, start, {"best": math.inf})
+        except ServerOptimisationError as err:
+            if second is None or not self._usable_start(second, prior64, site64):
+                raise
+            try:
+                out, info = self._minimise(prior64, site64, second, {"best": math.inf})
+            except ServerOptimisationError:
+                raise err from None
+            return out, {**info, "starts": "kl, separable", "winner": "separable", "first_error": str(err)}
+        if second is None or not sep_info.get("coordinates_with_two_minima") or not self._usable_start(
+                second, prior64, site64):
+            return first[0], {**first[1], "starts": "kl"}
+        try:
+            out, info = self._minimise(prior64, site64, second, {"best": math.inf})
+        except ServerOptimisationError:
+            return first[0], {**first[1], "starts": "kl, separable", "winner": "kl"}
+        if info["objective"] < first[1]["objective"]:
+            return out, {**info, "starts": "kl, separable", "winner": "separable",
+                         "other_objective": first[1]["objective"]}
+        return first[0], {**first[1], "starts": "kl, separable", "winner": "kl", "other_objective": info["objective"]}
 
     def _check_min_scale(self, q: MeanFieldGaussian) -> None:
         """Refuse an exact minimiser with a scale at or below ``min_scale``, which the descent's family (and the
@@ -486,7 +536,8 @@ class ServerGVIStep:
             raise ServerOptimisationError(
                 f"server GVI step ({self.divergence!r}): the minimiser has {low} coordinate(s) with a standard "
                 f"deviation at or below min_scale = {self.min_scale:g}, which the variational family cannot represent "
-                "(a global site close to the bound of the Alpha-Renyi domain: a tiny variance and a large mean)")
+                "(a global site close to the bound of the Alpha-Renyi domain: a tiny variance and a large mean; or a prior "
+                "that narrow)")
 
     def _start(self, prior64: GaussianFactor, site64: GaussianFactor) -> tuple[GaussianFactor, bool]:
         """The starting point of the optimiser and whether it is the prior.
@@ -974,11 +1025,12 @@ def alpha_renyi_unbounded_directions(prior: GaussianFactor, global_site: Gaussia
     D_AR^alpha(q || prior)`` unbounded below, the smallest eigenvalue ``gamma`` of the site's precision relative to
     the prior's (``Lambda_p^{-1/2} Lambda_s Lambda_p^{-1/2}``, ``Lambda_s = -2 eta2_s``; mean-field: per coordinate
     ``lambda_s / lambda_p``), and the bound below which an eigenvalue counts: ``-1/alpha`` for ``alpha > 1``, ``0``
-    otherwise.  An eigenvalue counts only if it is below the bound by more than rounding (``1e-9`` of the scale of
-    the eigenvalues): one on the bound to rounding (a degenerate case) is left to the optimiser.  For ``alpha < 1``
-    a mean-field coordinate with zero site precision and a linear term (``eta2_s = 0``, ``eta1_s != 0``) counts too,
-    and so does, with full covariance, a site whose precision is all zeros and whose linear term is not.  ``prior``
-    proper.
+    otherwise.  A direction on the bound counts too if the site's linear term (whitened, ``b = L^{-1} (eta1_s -
+    Lambda_s m_p)`` in the eigenbasis) has a component along it: for ``alpha > 1`` the mean term then falls like
+    ``-1 / v`` (faster than the ``-log v`` of the divergence), for ``alpha < 1`` (``gamma = 0``) like ``-v``.  "On the
+    bound" and "below it" are judged to rounding: mean-field per coordinate to ``8 eps`` of ``alpha gamma``
+    (:func:`~common.server_alpha_renyi.mean_field_unbounded`; ``gamma = 0`` exactly), full covariance to ``1e-9`` of
+    the scale of the eigenvalues, with a component above ``1e-9`` of ``|b|``.  ``prior`` proper.
 
     Derivation (``Delta = m - m_p``, ``Sigma_a = alpha Sigma_p + (1 - alpha) Sigma_q``, positive definite on the
     domain): ``D_AR = Delta^T Sigma_a^{-1} Delta / 2 - [log det Sigma_a - (1 - alpha) log det Sigma_q - alpha log
@@ -1008,24 +1060,17 @@ def alpha_renyi_unbounded_directions(prior: GaussianFactor, global_site: Gaussia
     (seconds) into the domain's boundary and raised 'did not converge' / 'not defined at the point reached',
     depending on where the descent wandered.
 
-    Not covered: just above the bound (``alpha > 1``) the objective is bounded but not convex; it can have a second,
-    lower basin with a large mean and a small variance along the weak direction, which a descent from the KL
-    solution need not find (the step then returns the other local minimum).
+    Just above the bound (``alpha > 1``, and for ``alpha < 1`` at a small positive ``gamma``) the objective is
+    bounded but not convex; it can have a second, lower basin (a large mean with a small variance along the weak
+    direction; or a huge variance) which a descent from the KL solution need not find.  Mean-field: solved exactly
+    (:mod:`common.server_alpha_renyi`); full covariance: a second descent starts from the exact minimiser over the
+    covariances diagonal in the site's relative eigenbasis (:meth:`ServerGVIStep._lower_of_two_starts`).
     """
     bound = -1.0 / alpha if alpha > 1.0 else 0.0
     if isinstance(prior, MeanFieldGaussian):
         assert isinstance(global_site, MeanFieldGaussian)
-        count, smallest = 0, math.inf
-        lp = prior.precision()
-        for n in prior.names:
-            eta2 = global_site.params[f"eta2/{n}"].to(torch.float64)
-            gamma = (-2.0 * eta2) / lp[n].to(torch.float64)
-            below = gamma < bound - _UNBOUNDED_RTOL * abs(bound)
-            if alpha < 1.0:
-                below |= (eta2 == 0.0) & (global_site.params[f"eta1/{n}"] != 0.0)
-            count += int(below.sum())
-            smallest = min(smallest, float(gamma.min()))
-        return count, smallest, bound
+        w = whitened_sites(prior, global_site)
+        return int(mean_field_unbounded(alpha, w["gamma"], w["b"]).sum()), float(w["gamma"].min()), bound
     assert isinstance(prior, FullCovarianceGaussian) and isinstance(global_site, FullCovarianceGaussian)
     lp = prior.precision().to(torch.float64)
     lp = 0.5 * (lp + lp.T)
@@ -1034,13 +1079,16 @@ def alpha_renyi_unbounded_directions(prior: GaussianFactor, global_site: Gaussia
     chol = torch.linalg.cholesky(lp)
     w = torch.linalg.solve_triangular(chol, ls, upper=False)
     w = torch.linalg.solve_triangular(chol, w.T, upper=False)  # L^-1 Lambda_s L^-T
-    gamma = torch.linalg.eigvalsh(0.5 * (w + w.T))
+    gamma, vecs = torch.linalg.eigh(0.5 * (w + w.T))
     # rounding of the eigenvalues: ~ eps |Lambda_s| / lambda_min(Lambda_p), far below this allowance
     scale = float(torch.linalg.matrix_norm(ls, ord=2)) / float(torch.linalg.eigvalsh(lp)[0])
     tol = _UNBOUNDED_RTOL * (abs(bound) + scale)
-    count = int((gamma < bound - tol).sum())
-    if alpha < 1.0 and not bool((e2 != 0.0).any()) and bool((global_site.eta1 != 0.0).any()):
-        count += int(gamma.numel())
+    # the whitened linear term in the eigenbasis: on the bound (to the allowance) a direction with one is unbounded
+    m_p = prior.mean().to(torch.float64)
+    b = vecs.T @ torch.linalg.solve_triangular(
+        chol, (global_site.eta1.to(torch.float64) - ls @ m_p).unsqueeze(1), upper=False).squeeze(1)
+    with_linear = b.abs() > _UNBOUNDED_RTOL * float(b.norm())
+    count = int(((gamma < bound - tol) | (((gamma - bound).abs() <= tol) & with_linear)).sum())
     return count, float(gamma[0]), bound
 
 
