@@ -950,7 +950,8 @@ class Deployment:
         except (ValueError, OSError) as err:
             raise DeploymentError(
                 f"unusable PKI in {self.certs_dir} (--certs): {err}; {reissue} re-issues an unusable "
-                "certificate (needs ca.key)"
+                "certificate (needs ca.key); a node key pair that does not match must be removed first (that "
+                "command then creates a new pair, whose public key must be registered again)"
             ) from None
         for warning in warnings:
             log.warning("%s (--certs %s)", warning, self.certs_dir)
@@ -971,8 +972,10 @@ class Deployment:
         return _hostport(_connect_host(self.host), self.fleet_port)
 
     def host_sans(self) -> list[str]:
-        """Extra SANs the SuperLink certificate needs for ``host`` and ``control_host``: none for loopback,
-        ``localhost`` and the wildcard addresses (clients then connect to 127.0.0.1), else the address."""
+        """Extra SANs the SuperLink certificate needs for ``host`` and ``control_host``: none for the addresses every
+        certificate lists (``pki.DEFAULT_SAN_IPS``: 127.0.0.1, ::1), ``localhost`` and the wildcard addresses
+        (clients then connect to 127.0.0.1), else the address, another loopback address (127.0.0.2) included:
+        clients dial it, so the certificate must name it (it was skipped, and the nodes never came online)."""
         out: list[str] = []
         for host in (self.host, self.control_host):
             h = host.strip("[]")
@@ -983,9 +986,9 @@ class Deployment:
             except ValueError:
                 san = h  # a DNS name
             else:
-                if ip.is_loopback or ip.is_unspecified:
-                    continue
                 san = str(ip)
+                if ip.is_unspecified or san in pki.DEFAULT_SAN_IPS:
+                    continue
             if san not in out:
                 out.append(san)
         return out

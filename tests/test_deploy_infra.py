@@ -186,6 +186,17 @@ def test_tls_no_auth_deployment_warns_online_then_clean_stop(make_deployment, ca
     _assert_clean(dep)
 
 
+def test_tls_deployment_on_another_loopback_address_comes_online(make_deployment):
+    # --host 127.0.0.2: the nodes dial 127.0.0.2, which the generated certificate did not name (every loopback address
+    # was skipped as "covered"), so TLS verification failed and no node came online (docs review, stop 33)
+    dep = make_deployment(1, host="127.0.0.2", auth=False)
+    dep.start()
+    rows = dep.wait_online(timeout=120)
+    assert set(dep.node_ids.values()) <= {r["node-id"] for r in rows if r["status"] == "online"}
+    assert pki.cert_covers_host(dep.pki.server_cert, "127.0.0.2")
+    assert dep.fleet_address == f"127.0.0.2:{dep.fleet_port}"
+
+
 def test_auth_registered_nodes_online_unregistered_refused(make_deployment, capsys):
     dep = make_deployment(2)  # the default: TLS + SuperNode authentication
     assert dep.auth
@@ -546,7 +557,8 @@ def test_non_loopback_host_is_in_the_server_certificate(tmp_path):
     Deployment(1, run_dir=tmp_path / "d4", certs_dir=run_dir / "certs", host="192.0.2.7")._prepare_pki()
 
     for host, want in (("10.1.2.3", ["10.1.2.3"]), ("edge.example.org", ["edge.example.org"]),
-                       ("0.0.0.0", []), ("127.0.0.1", []), ("::1", []), ("localhost", [])):  # fmt: skip
+                       ("0.0.0.0", []), ("127.0.0.1", []), ("::1", []), ("localhost", []), ("[::1]", []),
+                       ("127.0.0.2", ["127.0.0.2"]), ("::", [])):  # fmt: skip
         assert Deployment(1, run_dir=tmp_path, host=host).host_sans() == want, host
 
 
