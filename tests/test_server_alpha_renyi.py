@@ -319,3 +319,27 @@ def test_full_covariance_is_never_higher_than_the_descent_from_the_kl_solution(a
             new = _value(a, problem, step(prior, site))
             assert new <= old + 1e-9 * (1.0 + abs(old)), (a, f, seed, new, old, step.last_info)
             assert step.last_info["starts"] in ("kl", "kl, separable")
+
+
+@pytest.mark.parametrize("e1, e2", [(0.0, 1e-3), (0.7, 0.0), (0.3, 0.2)])
+def test_reverse_kl_refuses_an_unbounded_objective_up_front(e1, e2):
+    # KL(prior || q) is the alpha -> 0 limit with the condition of alpha < 1: negative site precision, or zero with a
+    # linear term.  Before, (0, 1e-3) returned a local minimum (v 1.002, objective -0.001) of the unbounded objective
+    # and the others raised 'left the family of distributions' after a descent
+    for method in ("auto", "optimise"):
+        step = make_server_step("reverse_kl", method=method)
+        with pytest.raises(ServerOptimisationError, match="objective is unbounded below"):
+            step(*_mf1(0.0, 1.0, e1, e2))
+        assert step.last_info["path"] == "refused"
+    full_prior = FullCovarianceGaussian(torch.zeros(2, dtype=F64), -0.5 * torch.eye(2, dtype=F64))
+    full_site = FullCovarianceGaussian(torch.tensor([0.1, e1], dtype=F64), torch.diag(torch.tensor([-0.5, e2],
+                                                                                                    dtype=F64)))
+    with pytest.raises(ServerOptimisationError, match="objective is unbounded below"):
+        make_server_step("reverse_kl")(full_prior, full_site)
+
+
+def test_reverse_kl_with_a_proper_site_is_not_refused():
+    e1, e2 = _site(0.5, 0.2, 1.5, 0.8, 1e-3)  # a small positive relative precision: bounded
+    q = make_server_step("reverse_kl")(*_mf1(0.2, 1.5, e1, e2))
+    mr, vr = separable_reference(None, 0.2, 1.5, e1, e2)
+    assert abs(float(q.mean()["a"][0]) - mr) / math.sqrt(vr) < 1e-7 and abs(float(q.variance()["a"][0]) / vr - 1) < 1e-7
