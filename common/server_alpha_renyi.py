@@ -255,6 +255,25 @@ def mean_field_alpha_renyi_step(prior: MeanFieldGaussian, site: MeanFieldGaussia
     return q, {"path": "exact", "coordinates_with_two_minima": multiple, "whitened_objective": float(best_value.sum())}
 
 
+def whitened_full_site(prior: FullCovarianceGaussian, site: FullCovarianceGaussian) -> dict[str, Tensor]:
+    """The site's precision relative to the prior's, in the prior's whitened coordinates (float64): ``chol`` (``L``,
+    ``Lambda_p = L L^T``), the prior's mean ``m0`` and precision ``lp`` (symmetrised), the site's precision ``ls``
+    (``-2`` x the symmetric part of ``eta2``), the eigenvalues ``gamma`` (ascending) and eigenvectors ``vecs`` of
+    ``L^{-1} Lambda_s L^{-T}``, and the whitened linear term ``b = V^T L^{-1} (eta1 - Lambda_s m0)`` in that
+    eigenbasis."""
+    lp = prior.precision().to(torch.float64)
+    lp = 0.5 * (lp + lp.T)
+    chol = torch.linalg.cholesky(lp)
+    m0 = prior.mean().to(torch.float64)
+    e2 = site.eta2.to(torch.float64)
+    ls = -(e2 + e2.T)
+    w = torch.linalg.solve_triangular(chol, ls, upper=False)
+    w = torch.linalg.solve_triangular(chol, w.T, upper=False)  # L^-1 Lambda_s L^-T
+    gamma, vecs = torch.linalg.eigh(0.5 * (w + w.T))
+    b = torch.linalg.solve_triangular(chol, (site.eta1.to(torch.float64) - ls @ m0).unsqueeze(1), upper=False)
+    return {"chol": chol, "m0": m0, "lp": lp, "ls": ls, "gamma": gamma, "vecs": vecs, "b": vecs.T @ b.squeeze(1)}
+
+
 def full_covariance_separable_start(prior: FullCovarianceGaussian, site: FullCovarianceGaussian,
                                     alpha: float) -> tuple[FullCovarianceGaussian | None, dict[str, Any]]:
     """The exact minimiser of the full-covariance Alpha-Renyi server objective over the covariances that are diagonal
@@ -268,16 +287,8 @@ def full_covariance_separable_start(prior: FullCovarianceGaussian, site: FullCov
     ``Sigma_a^{-1}``.)  Measured on a breast_cancer full-covariance global site (d = 31, alpha 2.5): the descent from
     the KL solution stopped at objective -63.448; from this start (-63.681) it reached -64.349, the value of an
     independent oracle.  ``(None, info)`` where the mean-field solve returns ``None``."""
-    lp = prior.precision().to(torch.float64)
-    chol = torch.linalg.cholesky(0.5 * (lp + lp.T))
-    m0 = prior.mean().to(torch.float64)
-    e2 = site.eta2.to(torch.float64)
-    ls = -(e2 + e2.T)
-    w = torch.linalg.solve_triangular(chol, ls, upper=False)
-    w = torch.linalg.solve_triangular(chol, w.T, upper=False)  # L^-1 Lambda_s L^-T
-    gamma, vecs = torch.linalg.eigh(0.5 * (w + w.T))
-    b = torch.linalg.solve_triangular(chol, (site.eta1.to(torch.float64) - ls @ m0).unsqueeze(1), upper=False)
-    b = vecs.T @ b.squeeze(1)
+    w = whitened_full_site(prior, site)
+    chol, vecs, gamma, b = w["chol"], w["vecs"], w["gamma"], w["b"]
     whitened_prior = MeanFieldGaussian({"x": torch.zeros_like(gamma)}, {"x": torch.full_like(gamma, -0.5)})
     q, info = mean_field_alpha_renyi_step(whitened_prior, MeanFieldGaussian({"x": b}, {"x": -0.5 * gamma}), alpha)
     if q is None:
@@ -285,5 +296,5 @@ def full_covariance_separable_start(prior: FullCovarianceGaussian, site: FullCov
     back = torch.linalg.solve_triangular(chol.T, vecs, upper=True)  # theta - m_p = L^-T V x
     forth = chol @ vecs  # (L^-T V)^-T: the precision is (L V) diag(1 / v) (L V)^T, no inverse of a covariance
     precision = (forth / q.variance()["x"]) @ forth.T
-    return FullCovarianceGaussian.from_mean_precision(m0 + back @ q.mean()["x"], 0.5 * (precision + precision.T),
+    return FullCovarianceGaussian.from_mean_precision(w["m0"] + back @ q.mean()["x"], 0.5 * (precision + precision.T),
                                                       name=prior.name), info

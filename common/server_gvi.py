@@ -81,6 +81,7 @@ from common.server_alpha_renyi import (
     full_covariance_separable_start,
     mean_field_alpha_renyi_step,
     mean_field_unbounded,
+    whitened_full_site,
     whitened_sites,
 )
 from common.variational import (
@@ -1084,21 +1085,12 @@ def alpha_renyi_unbounded_directions(prior: GaussianFactor, global_site: Gaussia
         w = whitened_sites(prior, global_site)
         return int(mean_field_unbounded(alpha, w["gamma"], w["b"]).sum()), float(w["gamma"].min()), bound
     assert isinstance(prior, FullCovarianceGaussian) and isinstance(global_site, FullCovarianceGaussian)
-    lp = prior.precision().to(torch.float64)
-    lp = 0.5 * (lp + lp.T)
-    e2 = global_site.eta2.to(torch.float64)
-    ls = -(e2 + e2.T)  # -2 x the symmetric part of eta2
-    chol = torch.linalg.cholesky(lp)
-    w = torch.linalg.solve_triangular(chol, ls, upper=False)
-    w = torch.linalg.solve_triangular(chol, w.T, upper=False)  # L^-1 Lambda_s L^-T
-    gamma, vecs = torch.linalg.eigh(0.5 * (w + w.T))
+    w = whitened_full_site(prior, global_site)
+    gamma, b = w["gamma"], w["b"]
     # rounding of the eigenvalues: ~ eps |Lambda_s| / lambda_min(Lambda_p), far below this allowance
-    scale = float(torch.linalg.matrix_norm(ls, ord=2)) / float(torch.linalg.eigvalsh(lp)[0])
+    scale = float(torch.linalg.matrix_norm(w["ls"], ord=2)) / float(torch.linalg.eigvalsh(w["lp"])[0])
     tol = _UNBOUNDED_RTOL * (abs(bound) + scale)
-    # the whitened linear term in the eigenbasis: on the bound (to the allowance) a direction with one is unbounded
-    m_p = prior.mean().to(torch.float64)
-    b = vecs.T @ torch.linalg.solve_triangular(
-        chol, (global_site.eta1.to(torch.float64) - ls @ m_p).unsqueeze(1), upper=False).squeeze(1)
+    # on the bound (to the allowance) a direction along which the whitened linear term has a component is unbounded
     with_linear = b.abs() > _UNBOUNDED_RTOL * float(b.norm())
     count = int(((gamma < bound - tol) | (((gamma - bound).abs() <= tol) & with_linear)).sum())
     return count, float(gamma[0]), bound
