@@ -311,6 +311,21 @@ def test_fashion_mnist_missing_files_error_names_paths_and_remedies(tmp_path, no
         assert needle in msg, needle
 
 
+@pytest.mark.parametrize("stem, array, match", [
+    ("t10k-labels-idx1-ubyte", np.array([0, 3, 10, 1, 2], dtype=np.uint8), "labels outside"),
+    ("train-images-idx3-ubyte", np.zeros((12, 28, 28), dtype=np.int16), "expected uint8"),
+    ("t10k-images-idx3-ubyte", np.zeros((5, 27, 28), dtype=np.uint8), "train images are 28x28"),
+])
+def test_an_idx_file_whose_content_does_not_fit_is_named(tmp_path, no_debian, stem, array, match):
+    # the module promises a ValueError naming the file; these named only the dataset (data review, stop 32)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    make_mnist_like(raw, gz=False)
+    bad = write_idx(raw / stem, array, gz=False)
+    with pytest.raises(ValueError, match=match) as info:
+        load_dataset("fashion_mnist", data_dir=tmp_path)
+    assert str(bad) in str(info.value)
+
+
 def test_mismatched_image_and_label_counts_are_rejected(tmp_path, no_debian):
     raw = tmp_path / "FashionMNIST" / "raw"
     arrays = make_mnist_like(raw, gz=False)

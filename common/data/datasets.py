@@ -330,21 +330,26 @@ def _find_idx_files(directory: Path) -> dict[str, Path] | None:
 
 
 def _idx_dataset(files: dict[str, Path], name: str, num_classes: int) -> Dataset:
+    """The dataset of the four IDX files; a file whose content does not fit (shape, dtype, labels) is a
+    ``ValueError`` naming it."""
     arrays = {key: read_idx(path) for key, path in files.items()}
+    where = {key: f"{name}: {path}" for key, path in files.items()}
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
             raise ValueError(
-                f"{name}: {split} images {x.shape} and labels {y.shape} are not (N, H, W) and (N,)"
+                f"{name}: {split} images {x.shape} ({files[f'x_{split}']}) and labels {y.shape} "
+                f"({files[f'y_{split}']}) are not (N, H, W) and (N,)"
             )
     h, w = arrays["x_train"].shape[1:]
     if arrays["x_test"].shape[1:] != (h, w):
-        raise ValueError(f"{name}: train images are {h}x{w} but test images are {arrays['x_test'].shape[1:]}")
+        raise ValueError(f"{name}: train images are {h}x{w} ({files['x_train']}) but test images are "
+                         f"{arrays['x_test'].shape[1:]} ({files['x_test']})")
     return Dataset(
-        x_train=_scale_images(arrays["x_train"], name),
-        y_train=_labels(arrays["y_train"], num_classes, name),
-        x_test=_scale_images(arrays["x_test"], name),
-        y_test=_labels(arrays["y_test"], num_classes, name),
+        x_train=_scale_images(arrays["x_train"], where["x_train"]),
+        y_train=_labels(arrays["y_train"], num_classes, where["y_train"]),
+        x_test=_scale_images(arrays["x_test"], where["x_test"]),
+        y_test=_labels(arrays["y_test"], num_classes, where["y_test"]),
         num_classes=num_classes,
         name=name,
         input_shape=(1, int(h), int(w)),
