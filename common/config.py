@@ -141,6 +141,12 @@ class RunConfig(BaseModel):
     aggregator_clip_norm: float = Field(0.0, ge=0, description="norm_clip: fixed bound; 0 = multiplier x median norm")
     aggregator_clip_multiplier: float = Field(2.0, gt=0)
     max_bad_replies: int = Field(3, ge=0, description="exclude a client after this many invalid replies (0 = never)")
+    batch_halvings: int = Field(
+        3, ge=0, le=30,
+        description="synchronous: a batch of Deltas each valid on its own that fails jointly (improper or unbounded "
+                    "server posterior, server optimisation failing) is applied with every Delta's damping halved, "
+                    "up to this many times, before it is rejected as a whole (0: rejected at once)",
+    )
     exclusion_removes_site: bool = Field(
         False, description="on exclusion, divide the client's site out of the posterior (its earlier updates are distrusted)"
     )

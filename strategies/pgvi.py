@@ -204,6 +204,7 @@ class RoundStats:
     starts_narrowed: int = 0  # applied updates whose local optimiser started narrowed (common.client_update)
     at_start: int = 0  # applied updates whose local optimiser returned its start (no epoch or polish improved on it)
     domain_cut: int = 0  # applied updates with local steps cut short at the divergence's domain (common.domain_guard)
+    batch_halvings: int = 0  # the applied batch's damping was halved this many times (it failed jointly before)
     num_examples: float = 0.0
     #: wall seconds the server spent in each phase of the round (see :data:`SERVER_PHASES`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -247,6 +248,8 @@ class RoundStats:
             out["updates-at-start"] = self.at_start
         if self.domain_cut:  # the local optimiser's steps were cut short at the local divergence's domain
             out["updates-domain-cut"] = self.domain_cut
+        if self.batch_halvings:  # the batch failed jointly and was applied with its damping halved this many times
+            out["batch-halvings"] = self.batch_halvings
         for phase in SERVER_PHASES:
             if phase in self.phase_seconds:
                 out[f"server-seconds-{phase}"] = self.phase_seconds[phase]
@@ -1412,16 +1415,34 @@ class PGVIStrategy(Strategy):
             except Exception as err:  # numerical failure on an extreme input: reject, never crash
                 self._reject(rnd, d.client_id, d.node_id, f"could not check the Delta: {type(err).__name__}: {err}", stats)
         credited: dict[str, GaussianFactor] = {}
+        halvings, first_reason = 0, ""
         while ok:
             # a robust aggregator replaces sum(Delta) by sum(credited); it sees the batch of valid Deltas
             credited = self.aggregator({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
+            if halvings:  # every Delta's damping halved: Delta ** 2^-k in natural parameters
+                credited = {cid: c ** (0.5 ** halvings) for cid, c in credited.items()}
             try:
                 self.state.apply(credited)
                 break
             except Exception as err:
                 if not isinstance(err, UpdateRejected):  # numerical failure on an extreme input
                     err = UpdateRejected(",".join(credited), f"{type(err).__name__}: {err}")
-                ok = self._drop_rejected(rnd, ok, err, stats)
+                # the Deltas to blame on their own: the one the server names, else (first try only: a Delta valid
+                # alone at full damping stays so at half of it) those the server step rejects alone
+                blame = {d.client_id: err.reason for d in ok if d.client_id == err.client_id}
+                if not blame and not halvings:
+                    blame = {d.client_id: why for d in ok if (why := self._rejected_alone(d)) is not None}
+                if not blame and halvings < self.cfg.batch_halvings:
+                    first_reason = first_reason or err.reason
+                    halvings += 1
+                    continue
+                ok = self._drop_rejected(rnd, ok, err, stats, blame, halvings)
+                halvings, first_reason = 0, ""
+        if ok and halvings:
+            stats.batch_halvings = halvings
+            log(WARNING, "round %d: the batch of %d Deltas (each valid on its own) failed jointly (%s); applied with "
+                "every Delta's damping halved %d time(s) (x %g): %s are resent their ledger sites", rnd, len(ok),
+                _reply_text(first_reason), halvings, 0.5 ** halvings, ", ".join(sorted(d.client_id for d in ok)))
         for d in ok:
             if credited[d.client_id] is not d.delta:  # the client holds site*Delta: resend the credited site
                 self.resync.add(d.client_id)
@@ -1478,28 +1499,28 @@ class PGVIStrategy(Strategy):
         assert st.global_site is not None
         return st.server_step(st.prior, st.global_site * delta).check_proper("server posterior after this Delta alone")
 
-    def _drop_rejected(self, rnd: int, ok: list[Reply], err: UpdateRejected, stats: RoundStats) -> list[Reply]:
+    def _drop_rejected(self, rnd: int, ok: list[Reply], err: UpdateRejected, stats: RoundStats,
+                       blame: dict[str, str], halvings: int) -> list[Reply]:
         """The Deltas of ``ok`` to try again (re-aggregated) after the server rejected the batch with ``err``.
 
-        The Deltas to blame (the client ``err`` names, else those the server step rejects on their own) are
-        rejected as bad replies and the others tried again.  If none is to blame on its own, only their combination
-        fails (the posterior is improper, or the server optimisation fails, with all of them): the whole batch is
-        rejected, but no client is charged a bad reply, for each sent a Delta that was valid as far as it could
-        know; honest clients must not be excluded (nor, with ``exclusion-removes-site``, their sites divided out)
-        because others updated in the same round.  A rejected client keeps its ledger version, so its next
+        The Deltas to blame (``blame``: the client ``err`` names, else those the server step rejects on their own)
+        are rejected as bad replies and the others tried again.  If none is to blame on its own, only their
+        combination fails (the posterior is improper, or the server optimisation fails, with all of them), also
+        with every Delta's damping halved ``halvings`` times (``batch-halvings``, see :meth:`_apply_batch`): the
+        whole batch is rejected, but no client is charged a bad reply, for each sent a Delta that was valid as far as
+        it could know; honest clients must not be excluded (nor, with ``exclusion-removes-site``, their sites divided
+        out) because others updated in the same round.  A rejected client keeps its ledger version, so its next
         message makes it roll its pending update back, as for any rejection.
         """
-        blame = {d.client_id: err.reason for d in ok if d.client_id == err.client_id}
-        if not blame:
-            blame = {d.client_id: why for d in ok if (why := self._rejected_alone(d)) is not None}
         if blame:
             for d in ok:
                 if d.client_id in blame:
                     self._reject(rnd, d.client_id, d.node_id, f"batch check: {blame[d.client_id]}", stats)
             return [d for d in ok if d.client_id not in blame]
+        also = f"; also with every Delta's damping halved {halvings} time(s)" if halvings else ""
         for d in ok:
             self._reject(rnd, d.client_id, d.node_id, f"batch check (jointly with the batch's other Deltas, valid on "
-                         f"its own): {err.reason}", stats, bad=False)
+                         f"its own{also}): {err.reason}", stats, bad=False)
         return []
 
     def _rejected_alone(self, d: Reply) -> str | None:

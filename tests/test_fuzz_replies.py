@@ -80,7 +80,9 @@ FUZZ = dict(
 # the strategy under test
 @lru_cache(maxsize=None)
 def _template(setup: str) -> PGVIStrategy:
-    cfg, strategy, _ = run({"num-server-rounds": 1, **SETUPS[setup]})
+    # batch-halvings 0: a batch that fails only jointly is rejected as a whole, so every applied site moved by exactly
+    # a Delta its node sent (check_batch); the halving is tested on its own below
+    cfg, strategy, _ = run({"num-server-rounds": 1, "batch-halvings": 0, **SETUPS[setup]})
     assert cfg.schedule == "synchronous" and cfg.server_divergence == "kl"
     assert sorted(strategy.node_client.values()) == ["site-0", "site-1", "site-2"]
     assert strategy.ledger_versions == {"site-0": 1, "site-1": 1, "site-2": 1}
@@ -977,6 +979,54 @@ def test_jointly_improper_batch_is_rejected_as_a_whole(data):
     assert stats.applied == 0 and stats.rejected == len(replies)
     assert all("batch check" in str(r["reason"]) for r in s.rejections[before["n_rejections"]:])
     assert_state_unchanged(s, before)
+
+
+@settings(max_examples=10 * SCALE, **FUZZ)
+@given(data=st.data())
+def test_jointly_improper_batch_is_applied_with_its_damping_halved(data):
+    """The batch of the test above with batch-halvings k: applied with every Delta ** 2^-j for the least j <= k that
+    keeps the posterior proper, each client resent its (credited) ledger site, the row's batch-halvings j; rejected
+    as a whole, charging nobody, if no j <= k does."""
+    setup = data.draw(st.sampled_from(sorted(SETUPS)), label="setup")
+    s = fresh(setup)
+    k = data.draw(st.integers(0, 4), label="batch-halvings")
+    s.cfg = s.cfg.model_copy(update={"batch_halvings": k})
+    nodes = data.draw(st.lists(st.sampled_from(sorted(s.node_client)), min_size=2, max_size=3, unique=True))
+    post = s.state.posterior
+    assert post is not None
+    replies, deltas = [], {}
+    for node in nodes:
+        case = Case(s, node, data)
+        a_m = data.draw(st.floats(0.01, 0.3), label="exponent")
+        deltas[s.node_client[node]] = delta = damped_delta(post**a_m, post, 1.0)
+        replies.append(case.reply(case.content(delta.to_numpy())))
+    def after(j: int) -> GaussianFactor:  # the posterior with every Delta ** 2^-j (q ** (1 + 2^-j sum (a_m - 1)))
+        out = post
+        for c in sorted(deltas):
+            out = out * deltas[c] ** (0.5 ** j)
+        return out
+
+    before = snapshot(s)
+    stats = deliver(s, replies)
+    j = stats.batch_halvings
+    if stats.applied == 0:
+        assert stats.rejected == len(replies) and not s.bad_replies
+        assert all("jointly" in str(r["reason"]) for r in s.rejections[before["n_rejections"]:])
+        assert_state_unchanged(s, before)
+        assert not any(independently_proper(after(jj)) for jj in range(k + 1))  # no j <= k kept it proper
+        return
+    assert 1 <= j <= k and stats.applied == len(replies)
+    expected = after(j)
+    got, want = s.state.posterior.to_numpy(), expected.to_numpy()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-9, atol=1e-12)
+    for c, d in deltas.items():
+        site_before = before["sites"][c]
+        for key, v in (d ** (0.5 ** j)).to_numpy().items():
+            np.testing.assert_allclose(s.state.sites[c].to_numpy()[key], site_before[key] + v, rtol=1e-12, atol=1e-12)
+    assert set(deltas) <= s.resync  # each holds site * Delta, not the credited site: resent
+    assert s.state.version == before["version"] + 1
+    assert not independently_proper(after(j - 1))  # the least j: with j - 1 halvings the posterior is improper
 
 
 # =================================================================================================

@@ -213,9 +213,27 @@ def _run(raw, cfg, nodes, reply_hook=None, server_step=None):
     return strategy, grid
 
 
+def test_a_jointly_improper_batch_is_applied_with_its_damping_halved():
+    """The batch below with the default batch-halvings (3): one halving makes it proper (precision x (1 - 0.45 x 2)
+    plus site-2's); every client's update is applied at half its damping and resent its ledger site, nobody is
+    charged, and the run goes on with the clients matching the ledger."""
+    raw, cfg, nodes = _setup({"num-server-rounds": 3, "max-bad-replies": 1})
+    assert cfg.batch_halvings == 3
+    strategy, grid = _run(raw, cfg, nodes, reply_hook=_scale_precision_in_round_2(("site-0", "site-1")))
+    assert strategy.bad_replies == {} and strategy.rejections == []
+    # round 3: site-2's cavity is improper (the victims took 90 % of the posterior's precision at half damping,
+    # site-2's site is now more precise than the posterior): it fails and keeps its site, the others apply
+    assert [int(r["applied"]) for r in strategy.history] == [0, 3, 3, 2]
+    assert [r.get("batch-halvings") for r in strategy.history] == [None, None, 1.0, None]
+    assert strategy.ledger_versions == {"site-0": 3, "site-1": 3, "site-2": 2}
+    _assert_clients_match_ledger(grid, strategy)
+
+
 def test_a_jointly_improper_batch_charges_no_client():
-    """site-0's and site-1's Deltas are each valid, together improper: the batch is rejected, nobody is excluded."""
-    raw, cfg, nodes = _setup({"num-server-rounds": 3, "max-bad-replies": 1, "exclusion-removes-site": True})
+    """site-0's and site-1's Deltas are each valid, together improper (batch-halvings 0: no retry at half damping):
+    the batch is rejected, nobody is excluded."""
+    raw, cfg, nodes = _setup({"num-server-rounds": 3, "max-bad-replies": 1, "exclusion-removes-site": True,
+                              "batch-halvings": 0})
     strategy, grid = _run(raw, cfg, nodes, reply_hook=_scale_precision_in_round_2(("site-0", "site-1")))
     assert strategy.bad_replies == {}
     assert sorted(r["client-id"] for r in strategy.rejections) == ["site-0", "site-1", "site-2"]
@@ -256,13 +274,21 @@ def _shift_eta1_in_round_2(shifts: dict[str, float]):
     return hook
 
 
-def test_a_server_step_that_fails_only_for_the_whole_batch_charges_no_client():
-    raw, cfg, nodes = _setup({"num-server-rounds": 3, "max-bad-replies": 1})
+@pytest.mark.parametrize("halvings", [0, 1])
+def test_a_server_step_that_fails_only_for_the_whole_batch_charges_no_client(halvings):
+    # |eta1| 1,200 > 1,000 together: one halving (600 + tiny) is below the server step's limit only with all three
+    # of its Deltas halved, so batch-halvings 1 applies the batch, 0 rejects it
+    raw, cfg, nodes = _setup({"num-server-rounds": 3, "max-bad-replies": 1, "batch-halvings": halvings})
     strategy, grid = _run(raw, cfg, nodes, reply_hook=_shift_eta1_in_round_2({"site-0": 600.0, "site-1": 600.0}),
                           server_step=_step_failing_beyond(1000.0))
     assert strategy.bad_replies == {}
-    assert len(strategy.rejections) == 3 and all("did not converge" in str(r["reason"]) for r in strategy.rejections)
-    assert strategy.ledger_versions == {"site-0": 2, "site-1": 2, "site-2": 2}
+    if halvings:
+        assert strategy.rejections == [] and strategy.history[2].get("batch-halvings") == 1.0
+        assert strategy.ledger_versions == {"site-0": 3, "site-1": 3, "site-2": 3}
+    else:
+        assert len(strategy.rejections) == 3
+        assert all("did not converge" in str(r["reason"]) for r in strategy.rejections)
+        assert strategy.ledger_versions == {"site-0": 2, "site-1": 2, "site-2": 2}
     _assert_clients_match_ledger(grid, strategy)
 
 
