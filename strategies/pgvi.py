@@ -6,7 +6,8 @@ through a ``query`` message; node ids change when a SuperNode restarts), the ser
 current posterior.  It sends each selected client the posterior's natural parameters and the version of that
 client's site in the ledger, receives Deltas, validates them and applies them:
 
-* ``synchronous``: sample a fraction of the clients, apply the batch of Deltas atomically;
+* ``synchronous``: sample a fraction of the clients, apply the batch of Deltas atomically (a batch whose Deltas are
+  valid one by one but not together is retried with their damping halved, up to ``batch-halvings`` times);
 * ``sequential``: one client at a time in a fixed order (rho = 1 by default);
 * ``asynchronous``: one message in flight per client; apply each Delta on arrival, re-dispatch at once,
   record its staleness (posterior versions elapsed) and reject updates staler than ``max-staleness``.
@@ -1392,6 +1393,12 @@ class PGVIStrategy(Strategy):
 
     def _apply_batch(self, rnd: int, decoded: list[Reply], stats: RoundStats, whole_round: bool = False) -> None:
         """Apply the Deltas that keep the posterior proper; the batch is applied atomically.
+
+        A Delta to blame on its own (the server names it, or the server step rejects it alone) is rejected and the
+        rest tried again.  A batch that fails only jointly is tried again with every (credited) Delta raised to
+        ``2^-j`` (its damping halved ``j`` times) for ``j = 1 .. batch-halvings``: the first that the server accepts
+        is applied, its clients are resent their ledger sites (they hold ``site * Delta``), and the round's row says
+        ``batch-halvings``; if none is, the batch is rejected as a whole, charging nobody (:meth:`_drop_rejected`).
 
         ``whole_round`` (synchronous): the batch is all of round ``rnd``'s updates, so its checkpoint records the
         round as applied; a server that dies before the round's record then resumes by recording it, not by
