@@ -313,6 +313,11 @@ class RunConfig(BaseModel):
             elif self.aggregator == "norm_clip" and not self.aggregator_clip_norm > 0:
                 errors.append(f"aggregator-clip-norm: with schedule '{self.schedule}' norm_clip needs a fixed bound "
                               "> 0 (the default bound is relative to the median norm of a batch)")
+            default_halvings = type(self).model_fields["batch_halvings"].default
+            if self.batch_halvings != default_halvings:
+                errors.append(f"batch-halvings: {self.batch_halvings} does nothing with schedule '{self.schedule}' "
+                              "(it applies one Delta at a time: a Delta that fails is rejected on its own); leave "
+                              f"it at {default_halvings}")
         order = [c.strip() for c in self.sequential_order.split(",") if c.strip()]
         if len(set(order)) != len(order):
             dup = sorted({c for c in order if order.count(c) > 1})

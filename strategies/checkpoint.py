@@ -93,19 +93,28 @@ def _config_defaults() -> dict[str, object]:
     return {(f.alias or name): f.get_default(call_default_factory=True) for name, f in RunConfig.model_fields.items()}
 
 
+#: Keys added with a default that changed the behaviour, and the value that keeps the behaviour from before them:
+#: what a checkpoint written before the key existed ran with (``batch-halvings``: a jointly failing batch was
+#: rejected at once)
+LEGACY_VALUES: dict[str, object] = {"batch-halvings": 0}
+
+
 def _config_differences(ours: dict, theirs: dict) -> list[str]:
     """The keys in which this run's config fingerprint differs from the checkpoint's, each with both values.  A key
-    the checkpoint does not hold was added after it was written: it matches when this run leaves it at its default
-    (a key is added with the default that keeps the behaviour from before it, what the checkpoint's run did without
-    knowing the key); any other value differs, and so does a key this run does not know (a newer checkpoint's)."""
+    the checkpoint does not hold was added after it was written: it matches when this run sets it to the value that
+    keeps the behaviour from before it, what the checkpoint's run did without knowing the key: its default, or for
+    a key whose default changed the behaviour its :data:`LEGACY_VALUES` entry; any other value differs, and so does
+    a key this run does not know (a newer checkpoint's)."""
     defaults = _config_defaults()
     out = []
     for k in sorted(set(ours) | set(theirs)):
         mine, stored = ours.get(k, _ABSENT), theirs.get(k, _ABSENT)
         if stored is _ABSENT:
-            if mine == defaults.get(k, _ABSENT):
+            before = LEGACY_VALUES.get(k, defaults.get(k, _ABSENT))
+            if mine == before:
                 continue
-            stored_text = f"absent (written before the key existed: its default {_short(defaults.get(k))})"
+            what = "the behaviour before it" if k in LEGACY_VALUES else "its default"
+            stored_text = f"absent (written before the key existed: {what}, {_short(before)})"
         elif mine == stored:
             continue
         else:

@@ -1485,7 +1485,7 @@ class PGVIStrategy(Strategy):
         alone, where the step is a closed form: ``posterior * delta`` for KL, ``posterior * delta ** w`` for the
         weighted KL (``prior * (G delta)^w``; checking ``posterior * delta`` there rejected valid Deltas when
         ``w < 1`` and let improper ones through to the batch when ``w > 1``).  A step solved by optimisation is
-        not run once per Delta here: the batch's own step decides, and :meth:`_drop_rejected` finds a Delta it
+        not run once per Delta here: the batch's own step decides, and :meth:`_apply_batch` finds a Delta it
         rejects on its own; any other step is run with the Delta alone."""
         st = self.state
         assert st.posterior is not None

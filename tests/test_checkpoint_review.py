@@ -391,6 +391,18 @@ def test_a_checkpoint_without_a_newer_config_key_loads_when_the_run_leaves_it_at
     load_checkpoint(PGVIStrategy(build_problem(parse_run_config(raw))), d)
 
 
+def test_a_checkpoint_without_batch_halvings_resumes_with_the_old_behaviour_only(tmp_path, checkpoint_run):
+    # batch-halvings came with a default (3) that changed the behaviour: a checkpoint written before it ran with the
+    # whole-batch rejection, i.e. 0; the default was accepted (switching the resumed run silently) and 0 refused
+    src, raw = checkpoint_run
+    d = _rewritten(tmp_path, src, meta=lambda m: {**m, "config": {k: v for k, v in m["config"].items()
+                                                                  if k != "batch-halvings"}})
+    load_checkpoint(PGVIStrategy(build_problem(parse_run_config({**raw, "batch-halvings": 0}))), d)
+    with pytest.raises(CheckpointMismatch, match=r"batch-halvings \(checkpoint: absent .*behaviour before it, 0\); "
+                                                 r"this run: 3\)"):
+        load_checkpoint(PGVIStrategy(build_problem(parse_run_config(raw))), d)
+
+
 def test_a_checkpoint_without_a_config_key_is_refused_when_the_run_sets_it(tmp_path, checkpoint_run):
     src, raw = checkpoint_run
     d = _rewritten(tmp_path, src, meta=lambda m: {**m, "config": {k: v for k, v in m["config"].items()
