@@ -115,19 +115,22 @@ def _roots(coeffs: Tensor) -> Tensor:
         if d > 1:
             comp[:, 1:, :-1] = torch.eye(d - 1, dtype=torch.float64)
         comp[:, :, -1] = last
-        out[rows, :d] = torch.linalg.eigvals(comp)
+        try:
+            out[rows, :d] = torch.linalg.eigvals(comp)
+        except (torch.linalg.LinAlgError, RuntimeError):  # LAPACK refusing extreme values: these rows stay unsolved
+            pass
     return out
 
 
 #: coefficients of a quartic beyond these magnitudes (or not finite) leave float64's range in the companion matrix or
 #: in the reversal's tiny roots: the coordinate is not solved
-_COEFF_MIN, _COEFF_MAX = 1e-305, 1e290
+_COEFF_MIN, _COEFF_MAX = 1e-305, 1e200
 
 
 def _extreme(coeffs: Tensor) -> Tensor:
     """Rows whose coefficients are not finite, or not 0 but below ``_COEFF_MIN`` or above ``_COEFF_MAX`` in modulus
-    (a relative precision ``gamma`` below ~1e-101 or above ~1e96, whose cube is a coefficient, or a linear term
-    beyond ~1e145)."""
+    (a relative precision ``gamma`` below ~1e-101 or above ~1e66, whose cube is a coefficient, or a linear term
+    beyond ~1e100: from ~1e129 LAPACK's balancing refused the companion matrix)."""
     mag = coeffs.abs()
     return (~torch.isfinite(coeffs).all(dim=1)) | ((mag > 0.0) & (mag < _COEFF_MIN)).any(dim=1) | (
         mag > _COEFF_MAX).any(dim=1)
@@ -248,6 +251,17 @@ def mean_field_alpha_renyi_step(prior: MeanFieldGaussian, site: MeanFieldGaussia
     gaps = (distinct[:, 1:] - distinct[:, :-1]).abs() > 1e-6 * distinct[:, 1:].abs()
     multiple = int((gaps & torch.isfinite(distinct[:, 1:])).any(dim=1).sum())
     mq, vq = m0 + s0 * mw, v0 * vw
+    # the domain's edge in the prior's units, where rounding can put a minimiser that lies within an ulp of it
+    # (alpha < 0 and gamma ~1e16: v 0.5 + O(1e-16), rounded to the edge 0.5): one ulp inside
+    if alpha < 0.0:
+        edge = v0 * (-alpha / (1.0 - alpha))
+        vq = torch.where(vq <= edge, torch.nextafter(edge, torch.full_like(edge, math.inf)), vq)
+    elif alpha > 1.0:
+        edge = v0 * (alpha / (alpha - 1.0))
+        vq = torch.where(vq >= edge, torch.nextafter(edge, torch.zeros_like(edge)), vq)
+    bad = ~(torch.isfinite(mq) & torch.isfinite(vq) & (vq > 0.0))  # a variance that underflowed (huge b, alpha > 1)
+    if bool(bad.any()):
+        return None, {"path": "exact", "unsolved": int(bad.sum())}
     sizes = [math.prod(prior.shapes[n]) for n in names]
     ms, vs = torch.split(mq, sizes), torch.split(vq, sizes)
     q = MeanFieldGaussian.from_mean_variance({n: x.view(prior.shapes[n]) for n, x in zip(names, ms)},

@@ -343,3 +343,71 @@ def test_reverse_kl_with_a_proper_site_is_not_refused():
     q = make_server_step("reverse_kl")(*_mf1(0.2, 1.5, e1, e2))
     mr, vr = separable_reference(None, 0.2, 1.5, e1, e2)
     assert abs(float(q.mean()["a"][0]) - mr) / math.sqrt(vr) < 1e-7 and abs(float(q.variance()["a"][0]) / vr - 1) < 1e-7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# second review (stop 33): the full-covariance rounding allowance, LAPACK on extreme values, the domain's edge
+def _full_diag_site(gammas, b, alpha_bound_shift=None):
+    """Prior N(0.3, I) (d = len(gammas)), a diagonal site with relative precisions ``gammas`` and whitened linear
+    term ``b`` (at the prior's mean)."""
+    g = torch.tensor(gammas, dtype=F64)
+    m0 = torch.full((len(gammas),), 0.3, dtype=F64)
+    prior = FullCovarianceGaussian.from_mean_precision(m0, torch.eye(len(gammas), dtype=F64))
+    lam = torch.diag(g)
+    site = FullCovarianceGaussian(torch.tensor(b, dtype=F64) + lam @ m0, -0.5 * lam)
+    return prior, site
+
+
+@pytest.mark.parametrize("a", [2.5, 0.5, -1.0, "reverse_kl"])
+def test_full_covariance_near_the_bound_with_a_strong_site_is_judged_to_rounding(a):
+    # relative precisions up to 1e4 made the old allowance (1e-9 x scale) 1e-5 wide: 1e-6 below the bound (no linear
+    # term: unbounded) was let through and a local minimum returned; 1e-6 above it with a linear term (bounded) was
+    # refused as unbounded
+    bound = -1.0 / a if isinstance(a, float) and a > 1.0 else 0.0
+    name, hyper = ("reverse_kl", {}) if a == "reverse_kl" else ("alpha_renyi", {"alpha": a})
+    prior, site = _full_diag_site([bound - 1e-6, 1.0, 10.0, 100.0, 1e4], [0.0, 0.3, -0.2, 0.1, 0.5])
+    with pytest.raises(ServerOptimisationError, match="objective is unbounded below"):
+        make_server_step(name, **hyper)(prior, site)
+    prior, site = _full_diag_site([bound + 1e-6, 1.0, 10.0, 100.0, 1e4], [1.0, 0.3, -0.2, 0.1, 0.5])
+    try:
+        make_server_step(name, **hyper)(prior, site)
+    except ServerOptimisationError as err:  # the descent may fail on so flat a direction, but not as a refusal
+        assert "unbounded" not in str(err), err
+
+
+@pytest.mark.parametrize("a", [2.5, 0.5, -1.0])
+def test_a_huge_linear_term_raises_the_steps_error_not_lapacks(a):
+    # b 1e129: LAPACK's balancing refused the companion matrix and a raw LinAlgError left the step; alpha > 1 and
+    # b ~1e110: the variance underflowed and an ImproperDistributionError left it
+    for b in (1e110, 1e129):
+        e1, e2 = _site(a, 0.0, 1.0, b, 1.0)
+        with pytest.raises(ServerOptimisationError):
+            make_server_step("alpha_renyi", alpha=a)(*_mf1(0.0, 1.0, e1, e2))
+
+
+@pytest.mark.parametrize("gamma", [1e10, 1e16, 1e20])
+def test_negative_alpha_minimiser_at_the_domains_edge_stays_inside_it(gamma):
+    # alpha -1, a strong site: the minimiser is v = 0.5 + O(1/gamma); for gamma >= 1e16 it rounded onto the edge 0.5
+    # and D_AR(q || prior) was undefined there
+    from common.divergences import AlphaRenyi
+    e1, e2 = _site(-1.0, 0.0, 1.0, 1.0, gamma)
+    prior, site = _mf1(0.0, 1.0, e1, e2)
+    q = make_server_step("alpha_renyi", alpha=-1.0)(prior, site)
+    assert float(q.variance()["a"][0]) > 0.5
+    assert math.isfinite(float(AlphaRenyi(-1.0)(q, prior)))
+
+
+def test_a_failing_step_does_not_keep_the_previous_calls_info():
+    step = make_server_step("alpha_renyi", alpha=2.5)
+    step(*_mf1(0.0, 1.0, 0.3, -0.1))
+    assert step.last_info["path"] == "exact"
+    e1, e2 = _site(2.5, 0.0, 1.0, 0.05, -(1.0 + 1e-3) / 2.5)  # below the bound: refused
+    with pytest.raises(ServerOptimisationError):
+        step(*_mf1(0.0, 1.0, e1, e2))
+    assert step.last_info["path"] == "refused"
+    full = make_server_step("alpha_renyi", alpha=1.5, max_iter=1, max_rounds=1)
+    full(*_full_diag_site([0.5, 2.0], [0.0, 0.0]))  # converges at once (the KL start is the minimiser's basin)
+    problem, prior, site = _full(1.5, 0.999, 3)
+    with pytest.raises(ServerOptimisationError):
+        full(prior, site)
+    assert "winner" not in full.last_info and "objective" not in full.last_info
