@@ -33,8 +33,7 @@
   Gaussians (``method="auto"``) the bounded objective is minimised exactly, coordinate by coordinate: the global
   minimiser is the lowest of the at most four stationary points of a quartic (:mod:`common.server_alpha_renyi`);
   the descent returned the higher of two local minima, or did not converge, near ``-1/alpha`` (29 of 60 one-coordinate
-  problems at 0.9 to 0.999 of the bound).  ``method="optimise"`` (and a coordinate on the bound to rounding) keeps
-  the descent.
+  problems at 0.9 to 0.999 of the bound).  ``method="optimise"`` keeps the descent.
 * ``D_s`` = Fisher-Rao: the distance is a cone at ``q = prior`` (not differentiable there), so when the
   prior is the minimiser no gradient vanishes and L-BFGS cannot certify it.  The prior's subgradient
   optimality condition is tested first (:func:`fisher_rao_prior_dual_norm`); if it holds the prior is

@@ -95,8 +95,20 @@ def _config_defaults() -> dict[str, object]:
 
 #: Keys added with a default that changed the behaviour, and the value that keeps the behaviour from before them:
 #: what a checkpoint written before the key existed ran with (``batch-halvings``: a jointly failing batch was
-#: rejected at once)
+#: rejected at once; only a synchronous run has batches, and with another schedule the key must stay at its
+#: default, so there the default is the match)
 LEGACY_VALUES: dict[str, object] = {"batch-halvings": 0}
+_LEGACY_ONLY_IF = {"batch-halvings": ("schedule", "synchronous")}
+
+
+def _legacy_value(key: str, theirs: dict, default: object) -> object:
+    """The value of ``key`` that matches a checkpoint (config ``theirs``) written before the key existed."""
+    if key not in LEGACY_VALUES:
+        return default
+    cond = _LEGACY_ONLY_IF.get(key)
+    if cond is not None and theirs.get(cond[0], _config_defaults().get(cond[0])) != cond[1]:
+        return default
+    return LEGACY_VALUES[key]
 
 
 def _config_differences(ours: dict, theirs: dict) -> list[str]:
@@ -110,10 +122,10 @@ def _config_differences(ours: dict, theirs: dict) -> list[str]:
     for k in sorted(set(ours) | set(theirs)):
         mine, stored = ours.get(k, _ABSENT), theirs.get(k, _ABSENT)
         if stored is _ABSENT:
-            before = LEGACY_VALUES.get(k, defaults.get(k, _ABSENT))
+            before = _legacy_value(k, theirs, defaults.get(k, _ABSENT))
             if mine == before:
                 continue
-            what = "the behaviour before it" if k in LEGACY_VALUES else "its default"
+            what = "its default" if before is defaults.get(k, _ABSENT) else "the behaviour before it"
             stored_text = f"absent (written before the key existed: {what}, {_short(before)})"
         elif mine == stored:
             continue

@@ -403,6 +403,18 @@ def test_a_checkpoint_without_batch_halvings_resumes_with_the_old_behaviour_only
         load_checkpoint(PGVIStrategy(build_problem(parse_run_config(raw))), d)
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "asynchronous"])
+def test_a_non_synchronous_checkpoint_without_batch_halvings_resumes_at_the_default(tmp_path, schedule):
+    # batch-halvings does nothing there and the config refuses any other value than the default: the legacy value
+    # 0 made such a checkpoint impossible to resume with any run config (final review, stop 33)
+    d = tmp_path / "ck"
+    raw, cfg, nodes = _setup({"num-server-rounds": 1, "schedule": schedule})
+    PGVIStrategy(build_problem(cfg), poll_interval=0.0, checkpoint_dir=d).start(InProcessGrid(client_app, nodes, raw))
+    old = _rewritten(tmp_path / "old", d, meta=lambda m: {**m, "config": {k: v for k, v in m["config"].items()
+                                                                           if k != "batch-halvings"}})
+    load_checkpoint(PGVIStrategy(build_problem(parse_run_config(raw))), old)
+
+
 def test_a_checkpoint_without_a_config_key_is_refused_when_the_run_sets_it(tmp_path, checkpoint_run):
     src, raw = checkpoint_run
     d = _rewritten(tmp_path, src, meta=lambda m: {**m, "config": {k: v for k, v in m["config"].items()
