@@ -47,7 +47,6 @@ from torch import Tensor
 from common.divergences import AlphaRenyi
 from common.errors import DivergenceUndefinedError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
-from common.fast_math import softplus
 from common.variational import FullCovarianceVariational, MeanFieldVariational, VariationalGaussian, inverse_softplus
 
 #: Relative distance (in variance) from the domain's boundary that a cut step keeps.
@@ -183,8 +182,7 @@ class FullCovarianceDomainGuard(DomainGuard):
             if self.inside(q):
                 return 0
             e, v = torch.linalg.eigh(self._whitened(self._covariance(q.cholesky())))
-            diag = softplus(self._before[0].to(torch.float64)) + q.min_scale
-            before = torch.diag(diag) + torch.tril(self._before[1].to(torch.float64), diagonal=-1)
+            before = q.cholesky_of(*(p.to(torch.float64) for p in self._before))
             e_before = torch.linalg.eigvalsh(self._whitened(before @ before.T))
             if self.upper:
                 target = 0.5 * (min(float(e_before[-1]), self.bound) + self.bound)

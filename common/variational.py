@@ -245,8 +245,12 @@ class FullCovarianceVariational(VariationalGaussian):
 
     def cholesky(self) -> Tensor:
         """Lower-triangular ``L`` with positive diagonal, ``Sigma = L L^T``."""
-        diag = softplus(self.raw_diag) + self.min_scale
-        return torch.where(self._strict_lower_mask, self.lower, torch.zeros_like(self.lower)) + torch.diag(diag)
+        return self.cholesky_of(self.raw_diag, self.lower)
+
+    def cholesky_of(self, raw_diag: Tensor, lower: Tensor) -> Tensor:
+        """:meth:`cholesky` at other values of the scale parameters (e.g. a saved pre-step state), in their dtype."""
+        diag = softplus(raw_diag) + self.min_scale
+        return torch.where(self._strict_lower_mask, lower, torch.zeros_like(lower)) + torch.diag(diag)
 
     def mean_covariance(self) -> tuple[Tensor, Tensor]:
         chol = self.cholesky()

@@ -1421,13 +1421,18 @@ class PGVIStrategy(Strategy):
                 self._reject(rnd, d.client_id, d.node_id, str(err), stats)
             except Exception as err:  # numerical failure on an extreme input: reject, never crash
                 self._reject(rnd, d.client_id, d.node_id, f"could not check the Delta: {type(err).__name__}: {err}", stats)
+        def aggregate(batch: list[Reply]) -> dict[str, GaussianFactor]:
+            # a robust aggregator replaces sum(Delta) by sum(credited); it sees the batch of valid Deltas
+            return self.aggregator({d.client_id: d.delta for d in sorted(batch, key=lambda d: d.client_id)}) if batch \
+                else {}
+
+        aggregated = aggregate(ok)  # once per batch: the halvings below reuse it
         credited: dict[str, GaussianFactor] = {}
         halvings, first_reason = 0, ""
         while ok:
-            # a robust aggregator replaces sum(Delta) by sum(credited); it sees the batch of valid Deltas
-            credited = self.aggregator({d.client_id: d.delta for d in sorted(ok, key=lambda d: d.client_id)})
+            credited = aggregated
             if halvings:  # every Delta's damping halved: Delta ** 2^-k in natural parameters
-                credited = {cid: c ** (0.5 ** halvings) for cid, c in credited.items()}
+                credited = {cid: c ** (0.5 ** halvings) for cid, c in aggregated.items()}
             try:
                 self.state.apply(credited)
                 break
@@ -1444,6 +1449,7 @@ class PGVIStrategy(Strategy):
                     halvings += 1
                     continue
                 ok = self._drop_rejected(rnd, ok, err, stats, blame, halvings)
+                aggregated = aggregate(ok)
                 halvings, first_reason = 0, ""
         if ok and halvings:
             stats.batch_halvings = halvings
