@@ -838,3 +838,13 @@ def test_an_overflowing_dirichlet_alpha_is_a_config_error_that_says_lower_it():
                             "dirichlet-alpha": 1e308})
     with pytest.raises(ConfigError, match="dirichlet-alpha: .*degenerate.*lower alpha"):
         train_partition(cfg)
+
+
+def test_apportion_sums_to_total_when_the_weights_sum_overflows():
+    # finite weights whose float sum is inf made every quota 0 (the review of 2026-11-28: [1e308, 1e308] -> [1, 1])
+    np.testing.assert_array_equal(apportion(10, np.array([1e308, 1e308])), [5, 5])
+    np.testing.assert_array_equal(apportion(7, np.array([1e308, 1e307, 1.0])), [6, 1, 0])
+    for total in (2.5, -1, True):
+        with pytest.raises(ValueError, match="integer >= 0"):
+            apportion(total, np.array([1.0, 1.0]))
+    assert apportion(np.int64(4), np.array([1.0, 3.0])).tolist() == [1, 3]

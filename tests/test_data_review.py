@@ -332,3 +332,54 @@ def test_synthetic_generators_refuse_non_finite_locations(call):
     import common.data.synthetic as syn
     with pytest.raises(ValueError, match="must be (a )?finite"):
         call(syn)
+
+
+# ==================================================================================================
+# 3. content that a cast would silently change is refused, naming the file (review of 2026-11-28)
+
+
+@pytest.mark.parametrize("data", [np.full((2, 3072), 0.5, np.float32),  # pixels already in [0, 1]: all black
+                                  np.full((2, 3072), 300, np.int64),  # wrapped to 44
+                                  np.full((2, 3072), -1, np.int64)])  # became 255
+def test_cifar_pixels_that_are_not_uint8_are_refused_naming_the_batch(tmp_path, data):
+    d = tmp_path / "cifar-10-batches-py"
+    _cifar(d)
+    bad = d / "data_batch_2"
+    bad.write_bytes(pickle.dumps({"labels": [1, 2], "data": data}, protocol=2))
+    with pytest.raises(ValueError, match="uint8") as info:
+        load_dataset("cifar10", data_dir=tmp_path)
+    assert _corrupt_message_ok(str(info.value), bad), str(info.value)
+
+
+@pytest.mark.parametrize("labels, match", [([0.0, 1.5], "integer class indices"), ([1, 10], r"outside \[0, 10\)")])
+def test_cifar_labels_are_checked_per_batch_file(tmp_path, labels, match):
+    d = tmp_path / "cifar-10-batches-py"
+    _cifar(d)
+    bad = d / "data_batch_4"
+    bad.write_bytes(pickle.dumps({"labels": labels, "data": np.zeros((2, 3072), np.uint8)}, protocol=2))
+    with pytest.raises(ValueError, match=match) as info:
+        load_dataset("cifar10", data_dir=tmp_path)
+    assert str(bad) in str(info.value)
+
+
+def test_idx_float_labels_are_refused_not_truncated(tmp_path, no_debian):
+    _write_set(tmp_path / "mnist", 7)
+    labels = np.array([0.0, 1.5, 2.9, 3.0], ">f4")  # IDX type 0x0D: float32, big-endian
+    bad = tmp_path / "mnist" / "train-labels-idx1-ubyte"
+    bad.write_bytes(bytes([0, 0, 0x0D, 1]) + struct.pack(">I", 4) + labels.tobytes())
+    with pytest.raises(ValueError, match="integer class indices") as info:
+        load_dataset("mnist", data_dir=tmp_path)
+    assert str(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("fname, arr, match", [
+    ("k49-train-labels.npz", np.array([0.0, 1.5, 2.5]), "integer class indices"),
+    ("k49-test-labels.npz", np.array([2, 49], np.uint8), r"outside \[0, 49\)"),
+])
+def test_k49_label_errors_name_the_file(tmp_path, fname, arr, match):
+    d = tmp_path / "k49"
+    _k49(d)
+    np.savez_compressed(d / fname, arr)
+    with pytest.raises(ValueError, match=match) as info:
+        load_dataset("kuzushiji49", data_dir=tmp_path)
+    assert str(d / fname) in str(info.value)

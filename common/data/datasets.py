@@ -252,13 +252,15 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise _corrupt(path, "CIFAR-10 pickle", "not a CIFAR-10 python batch: expected a dict with 'data' and "
                        "'labels'")
     try:
-        data = np.asarray(entry["data"], dtype=np.uint8)
-        labels = np.asarray(entry["labels"], dtype=np.int64)
+        data = np.asarray(entry["data"])  # no dtype= here: a cast would wrap 300 to 44 and zero [0, 1] floats
+        labels = np.asarray(entry["labels"])
     except (ValueError, TypeError, OverflowError) as e:
         raise _corrupt(path, "CIFAR-10 pickle", f"{type(e).__name__}: {e}") from e
+    if data.dtype != np.uint8:
+        raise _corrupt(path, "CIFAR-10 pickle", f"'data' must hold uint8 pixels, got {data.dtype}")
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.ndim != 1 or data.shape[0] != labels.shape[0]:
         raise _corrupt(path, "CIFAR-10 pickle", f"data {data.shape} / labels {labels.shape} are not (N, 3072) / (N,)")
-    return data, labels
+    return data, _labels(labels, 10, f"cifar10: {path}")
 
 
 def _read_npz_array(path: Path, fmt: str) -> np.ndarray:
@@ -302,7 +304,12 @@ def _scale_images(images: np.ndarray, name: str) -> np.ndarray:
 
 
 def _labels(labels: np.ndarray, num_classes: int, name: str) -> np.ndarray:
-    y = np.asarray(labels).astype(np.int64).reshape(-1)
+    """Class indices in ``[0, num_classes)`` as int64; an array of another kind (a float label would be truncated to
+    another class: 1.5 -> 1) is refused, as are labels out of range (``name`` says where they came from)."""
+    y = np.asarray(labels)
+    if y.size and y.dtype.kind not in "iu":
+        raise ValueError(f"{name}: labels must be integer class indices, got dtype {y.dtype}")
+    y = y.astype(np.int64).reshape(-1)
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise ValueError(f"{name}: labels outside [0, {num_classes}): min {y.min()}, max {y.max()}")
     return y
@@ -581,9 +588,9 @@ def _cifar_dataset(directory: Path) -> Dataset:
         parts[split] = (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]))
     return Dataset(
         x_train=_scale_images(parts["train"][0], "cifar10"),
-        y_train=_labels(parts["train"][1], 10, "cifar10"),
+        y_train=parts["train"][1],  # checked per batch file by _read_cifar_batch
         x_test=_scale_images(parts["test"][0], "cifar10"),
-        y_test=_labels(parts["test"][1], 10, "cifar10"),
+        y_test=parts["test"][1],
         num_classes=10,
         name="cifar10",
         input_shape=(3, 32, 32),
@@ -634,16 +641,19 @@ def _load_kuzushiji49(
         if all((directory / f).is_file() for f in _K49_FILES.values()):
             arrays = {key: _read_npz_array(directory / fname, "Kuzushiji-49 .npz")
                       for key, fname in _K49_FILES.items()}
+            where = {key: f"kuzushiji49: {directory / fname}" for key, fname in _K49_FILES.items()}
             for split in ("train", "test"):
                 x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
                 if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-                    raise ValueError(f"kuzushiji49: {split} images {x.shape} / labels {y.shape} malformed")
+                    raise ValueError(f"kuzushiji49: {split} images {x.shape} ({directory / _K49_FILES[f'x_{split}']}) "
+                                     f"and labels {y.shape} ({directory / _K49_FILES[f'y_{split}']}) are not "
+                                     "(N, H, W) and (N,)")
             h, w = arrays["x_train"].shape[1:]
             return Dataset(
-                x_train=_scale_images(arrays["x_train"], "kuzushiji49"),
-                y_train=_labels(arrays["y_train"], 49, "kuzushiji49"),
-                x_test=_scale_images(arrays["x_test"], "kuzushiji49"),
-                y_test=_labels(arrays["y_test"], 49, "kuzushiji49"),
+                x_train=_scale_images(arrays["x_train"], where["x_train"]),
+                y_train=_labels(arrays["y_train"], 49, where["y_train"]),
+                x_test=_scale_images(arrays["x_test"], where["x_test"]),
+                y_test=_labels(arrays["y_test"], 49, where["y_test"]),
                 num_classes=49,
                 name="kuzushiji49",
                 input_shape=(1, int(h), int(w)),

@@ -108,10 +108,14 @@ def apportion(total: int, weights: np.ndarray) -> np.ndarray:
     weights = np.asarray(weights, dtype=np.float64)
     if weights.ndim != 1 or weights.size == 0 or np.any(~np.isfinite(weights)) or np.any(weights < 0):
         raise ValueError("weights must be a non-empty 1-D array of finite non-negative numbers")
-    if weights.sum() <= 0:
+    if not weights.max() > 0:
         raise ValueError("weights must have a positive sum")
-    if total < 0:
-        raise ValueError(f"total must be >= 0, got {total}")
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 0:
+        raise ValueError(f"total must be an integer >= 0, got {total!r}")
+    with np.errstate(over="ignore"):
+        overflows = not np.isfinite(weights.sum())
+    if overflows:  # finite weights near 1e308: the sum overflowed and every quota was 0
+        weights = weights / weights.max()
     quotas = weights / weights.sum() * total
     base = np.floor(quotas).astype(np.int64)
     short = int(total - base.sum())
