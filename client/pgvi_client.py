@@ -60,7 +60,8 @@ class PGVIClient(NumPyClient):
         }
 
     def _site_problem(self, arrays: list[np.ndarray]) -> str | None:
-        """Why ``arrays`` are not a site of this problem (the names, in order, with their shapes; finite), or None."""
+        """Why ``arrays`` are not a site of this problem (the names, in order, with their shapes; finite; the family's
+        structure), or None."""
         if len(arrays) != len(self.names):
             return f"it carries {len(arrays)} site arrays named as the model's, expected {len(self.names)}"
         for name, a in zip(self.names, arrays):
@@ -69,6 +70,10 @@ class PGVIClient(NumPyClient):
                 return f"site array {name!r} has shape {a.shape}, expected {self.shapes[name]}"
             if not np.issubdtype(a.dtype, np.floating) or not np.isfinite(a).all():
                 return f"site array {name!r} is not finite floating point"
+        try:  # the family's structure too (a full-covariance eta2 must be symmetric): checked before it is adopted
+            self.problem.prior.from_numpy(dict(zip(self.names, arrays)))
+        except PGVIError as err:
+            return f"its site is not one of this family ({err})"
         return None
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[list[np.ndarray], int, dict[str, Scalar]]:

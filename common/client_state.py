@@ -14,9 +14,9 @@ the tags agree, a committed site is kept only if its tag agrees; otherwise the c
 (resync).  An empty tag from the server (an older server or checkpoint, or a site reset) means "unknown": the
 version decides alone, as before tags existed.
 
-Persisted, when a directory is given, as one ``<client-id>.npz`` written atomically
-(temp file + fsync + rename + directory fsync), so a SuperNode restart resumes where it was.  A file that
-cannot be read (torn by a bad disk, truncated, edited) is moved aside to ``<client-id>.npz.corrupt`` with a
+Persisted, when a directory is given, as one ``<client-id>.npz`` (:meth:`ClientState.path_for`: an id with other
+characters than ``[A-Za-z0-9_.-]`` percent-encoded) written atomically (temp file + fsync + rename + directory
+fsync), so a SuperNode restart resumes where it was.  A file that cannot be read (torn by a bad disk, truncated, edited) is moved aside to ``<client-id>.npz.corrupt`` with a
 WARNING and the client starts from a fresh state (version 0): the server's next message then makes it ask for its
 ledger site (resync), as after a lost disk.
 """
@@ -24,10 +24,12 @@ ledger site (resync), as after a lost disk.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
 import secrets
+import urllib.parse
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ from common.atomic_io import atomic_save_npz, load_npz
 from common.protocol import UNKNOWN_VERSION
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+#: the longest percent-encoded client id used as a file name as it is (then its SHA-256)
+_MAX_NAME = 200
 #: What reading a torn or foreign state file can raise: the zip layer (BadZipFile, EOFError, OSError), numpy's .npy
 #: reader (ValueError, EOFError; "pickled data" for bytes that are no zip), the JSON header (ValueError:
 #: JSONDecodeError, UnicodeDecodeError), a missing header (KeyError) or a header of the wrong shape (TypeError,
@@ -133,9 +137,20 @@ class ClientState:
     # -------------------------------------------------------------------------------------------
     @staticmethod
     def path_for(state_dir: str | os.PathLike, client_id: str) -> Path:
-        if not _SAFE_ID.match(client_id):
-            raise ValueError(f"client-id {client_id!r} must match {_SAFE_ID.pattern}")
-        return Path(state_dir) / f"{client_id}.npz"
+        """``<state_dir>/<client-id>.npz`` for an id of ``[A-Za-z0-9_.-]``; any other id the node accepts (printable,
+        at most 128 characters: ``site 3``, ``Hôpital-3``, ``a/b``) is percent-encoded (UTF-8; injective, and its
+        name has a ``%`` or ``~``, so it never meets a plain id's), or, if that is longer than :data:`_MAX_NAME`
+        characters, ``%sha256-<hex of the UTF-8 id>``: a file name without a separator, within the usual 255-byte
+        limit."""
+        if not isinstance(client_id, str) or not client_id or len(client_id) > 128 or not client_id.isprintable():
+            raise ValueError(f"client-id must be a non-empty printable string of at most 128 characters, got "
+                             f"{client_id[:40] if isinstance(client_id, str) else client_id!r}")
+        if _SAFE_ID.match(client_id):
+            return Path(state_dir) / f"{client_id}.npz"
+        name = urllib.parse.quote(client_id, safe="")
+        if len(name) > _MAX_NAME:
+            name = "%sha256-" + hashlib.sha256(client_id.encode("utf-8")).hexdigest()
+        return Path(state_dir) / f"{name}.npz"
 
     def save(self, state_dir: str | os.PathLike, client_id: str) -> Path:
         arrays, meta = self.to_arrays()

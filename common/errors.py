@@ -48,3 +48,8 @@ class NonFiniteError(PGVIError, ValueError):
 
 class ShapeMismatchError(PGVIError, ValueError):
     """Two sets of natural parameters do not have the same names and shapes."""
+
+
+class ScaleFloorError(PGVIError, ValueError):
+    """A proper distribution is narrower than the variational family's parameterisation floor ``min_scale`` (a
+    scale ``softplus(raw) + min_scale`` cannot represent it), so the local optimiser cannot start from it."""

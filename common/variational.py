@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from common.errors import ImproperDistributionError
+from common.errors import ImproperDistributionError, NonFiniteError, ScaleFloorError
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
 from common.fast_math import all_finite, softplus
 
@@ -49,10 +49,10 @@ def _check_min_scale(min_scale: float) -> float:
 
 def _raw_from_scale(scale: Tensor, min_scale: float, what: str) -> Tensor:
     if not all_finite(scale):
-        raise ValueError(f"{what}: non-finite scale")
+        raise NonFiniteError(f"{what}: non-finite scale")
     if not bool((scale > min_scale).all()):
         smallest = float(scale.min())
-        raise ValueError(
+        raise ScaleFloorError(
             f"{what}: scale {smallest:.3g} is not above the parameterisation floor min_scale={min_scale:.3g}"
         )
     return inverse_softplus(scale - min_scale)

@@ -410,13 +410,20 @@ def test_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("bad", ["../x", "a/b", "", "/abs", "a\\b", "x" * 129, "a b", "a\nb"])
-def test_unsafe_client_ids_are_rejected(tmp_path, bad):
+@pytest.mark.parametrize("bad", ["", "x" * 129, "a\nb", "a\x00b"])
+def test_ids_the_node_refuses_are_rejected(tmp_path, bad):
     with pytest.raises(ValueError, match="client-id"):
         ClientState().save(tmp_path / "d", bad)
     with pytest.raises(ValueError, match="client-id"):
         ClientState.load(tmp_path / "d", bad)
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("odd", ["../x", "a/b", "/abs", "a\\b", "a b", "..", "."])
+def test_ids_with_path_characters_stay_inside_the_state_dir(tmp_path, odd):
+    path = ClientState().save(tmp_path / "d", odd)
+    assert path.parent == tmp_path / "d" and os.listdir(tmp_path) == ["d"]
+    assert ClientState.load(tmp_path / "d", odd).version == 0
     assert not (tmp_path / "x.npz").exists()
 
 
