@@ -8,6 +8,7 @@ import numbers
 import numpy as np
 import torch
 
+from common.errors import NonFiniteError
 from common.families import GaussianFactor
 from common.problem import Problem
 
@@ -30,6 +31,10 @@ def evaluate_posterior(
     if len(y) == 0:
         return {"num-examples": 0.0}
     xt, yt = problem.tensors(x, y)
+    for t, what in ((xt, "inputs"), (yt, "targets")):  # a NaN target gave nll = rmse = nan, silently
+        if torch.is_floating_point(t) and t.numel() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"evaluate_posterior: the {what} have {int((~torch.isfinite(t)).sum())} "
+                                 "non-finite entries")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if problem.model.is_classifier:

@@ -170,3 +170,26 @@ def test_huge_integer_hyperparameter_is_value_error(name, key):
     with pytest.raises(ValueError, match="weight"):
         weighted(make_loss("nll"), 10**400)
     assert math.isfinite(make_loss("beta", beta=10**30).beta)
+
+
+# ==================================================================================================
+# review of 2026-11-28: a float32 Gaussian likelihood at a small sigma the config accepts
+
+
+@pytest.mark.parametrize("loss", [make_loss("gce", delta=1.0), make_loss("gce", delta=0.5),
+                                  make_loss("beta", beta=1.5), make_loss("gamma", gamma=1.5), NegativeLogLikelihood()])
+@pytest.mark.parametrize("sigma", [1e-14, 1e-18])
+@pytest.mark.parametrize("resid", [0.0, 0.3])
+def test_float32_gaussian_loss_gradients_are_finite_where_the_true_ones_are(loss, sigma, resid):
+    # -0.5 r^2 / sigma^2 sent dL/d(r^2) = p^delta / (2 sigma^2) (8e38 for GCE(1) at sigma 1e-14) through the
+    # backward pass: an inf gradient, or inf * 0 = NaN at a zero residual, where float64 gives a finite one
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        m = torch.zeros(1, 1, 1, dtype=dtype, requires_grad=True)
+        y = torch.full((1, 1), resid * sigma, dtype=dtype)
+        value = loss(GaussianOutput(m, sigma), y).sum()
+        value.backward()
+        grads[dtype] = float(m.grad)
+    if math.isfinite(grads[torch.float64]) and abs(grads[torch.float64]) < torch.finfo(torch.float32).max / 2:
+        assert math.isfinite(grads[torch.float32]), grads
+        assert grads[torch.float32] == pytest.approx(grads[torch.float64], rel=1e-4, abs=1e-30)

@@ -241,6 +241,13 @@ def test_evaluate_posterior_1d_targets_nll_and_rmse():
         assert m["num-examples"] == 25.0
     with pytest.raises(ShapeMismatchError):
         evaluate_posterior(prob, q, x, y[:-1], n_samples=5)
+    # a non-finite target or input is refused (was: nll = rmse = nan, silently)
+    y_bad, x_bad = y.copy(), x.copy()
+    y_bad[3], x_bad[5, 1] = np.nan, np.inf
+    with pytest.raises(NonFiniteError, match="targets have 1 non-finite"):
+        evaluate_posterior(prob, q, x, y_bad, n_samples=5)
+    with pytest.raises(NonFiniteError, match="inputs have 1 non-finite"):
+        evaluate_posterior(prob, q, x_bad, y, n_samples=5)
 
 
 # ---------------------------------------------------------------------------------------------------
