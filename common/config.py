@@ -302,6 +302,17 @@ class RunConfig(BaseModel):
         if self.model in REGRESSION_MODELS and not tiny**0.5 <= self.likelihood_sigma <= tiny**-0.5:
             errors.append(f"likelihood-sigma: with dtype {self.dtype} sigma^2 and its inverse must be normal floats, "
                           f"i.e. sigma within [{tiny**0.5:.4g}, {tiny**-0.5:.4g}], got {self.likelihood_sigma:g}")
+        # scales a loss or divergence divides or multiplies a tensor by: outside these ranges they (or their
+        # reciprocals) leave the dtype's normal floats and the objective is NaN (inf * 0) at valid data
+        if self.loss == "score_matching" and self.sm_weight != "constant" and not tiny**0.5 <= self.sm_c <= tiny**-0.5:
+            errors.append(f"sm-c: with dtype {self.dtype} c^2 and its inverse must be normal floats, i.e. c within "
+                          f"[{tiny**0.5:.4g}, {tiny**-0.5:.4g}], got {self.sm_c:g}")
+        for key, name, w in (("divergence-w", self.divergence, self.divergence_w),
+                             ("server-divergence-w", self.server_divergence, self.server_divergence_w),
+                             ("loss-weight", "weighted_kl", self.loss_weight)):
+            if name == "weighted_kl" and not tiny <= w <= 1.0 / tiny:
+                errors.append(f"{key}: with dtype {self.dtype} it and its inverse must be normal floats, i.e. within "
+                              f"[{tiny:.4g}, {1.0 / tiny:.4g}], got {w:g}")
         if self.family == "full_covariance" and self.model == "bnn":
             errors.append("family: a BNN needs family 'mean_field'")
         if self.schedule != "synchronous":

@@ -401,3 +401,29 @@ def test_a_key_given_in_both_spellings_and_an_unknown_underscore_key_are_named_a
         parse_run_config({"no_such_key": 1})
     assert str(exc.value) == "invalid run config: no_such_key: unknown run-config key"
     assert parse_run_config({"label_noise": 0.2}).label_noise == 0.2  # one spelling alone stays accepted
+
+
+GAUSS32 = {"model": "gaussian_location", "dataset": "synthetic_gaussian_location", "dtype": "float32"}
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"loss": "score_matching", "sm-c": 1e-20}, "sm-c"),  # c^2 = 0 in float32: w / (c^2 + r^2) = inf, inf * 0 = NaN
+    ({"loss": "score_matching", "sm-weight": "se", "sm-c": 1e20}, "sm-c"),
+    ({"divergence": "weighted_kl", "divergence-w": 1e-39}, "divergence-w"),  # 0.5 / w = inf: D(q, q) = NaN
+    ({"server-divergence": "weighted_kl", "server-divergence-w": 1e39}, "server-divergence-w"),
+    ({"loss-weight": 1e39}, "loss-weight"),  # inf in float32: w * 0 = NaN at a certain point
+])
+def test_scales_outside_the_dtype_are_refused_naming_the_key(override, key):
+    msg = _config_error({**GAUSS32, **override})
+    assert f"{key}: with dtype float32" in msg, msg
+
+
+@pytest.mark.parametrize("override", [
+    {"loss": "score_matching", "sm-c": 1e-20, "dtype": "float64"},
+    {"loss": "score_matching", "sm-weight": "constant", "sm-c": 1e-20},  # c unused
+    {"divergence-w": 1e-39},  # divergence kl: w unused
+    {"divergence": "weighted_kl", "divergence-w": 1e-30},
+    {"loss-weight": 1e30},
+])
+def test_representable_or_unused_scales_are_accepted(override):
+    parse_run_config({**GAUSS32, **override})
