@@ -138,11 +138,16 @@ class PGVIServerState:
                         f"Delta from '{cid}' has dtype {delta.dtype}, the server state {self.prior.dtype}"
                     )
                 delta.check_finite(f"Delta from '{cid}'")
-                new_sites[cid] = self.sites.get(cid, self.prior.zeros_like()) * delta
+                # a finite Delta can still overflow the client's site (two colluding peers: +B and -B keep the
+                # global site finite while one site reaches inf): q = prior x prod sites would break silently and
+                # every later checkpoint be refused
+                new_sites[cid] = (self.sites.get(cid, self.prior.zeros_like()) * delta).check_finite(
+                    f"site of '{cid}' after its Delta")
                 global_site = global_site * delta
             except PGVIError as err:
                 raise UpdateRejected(cid, str(err)) from err
         try:
+            global_site.check_finite("global site")
             posterior = self.server_step(self.prior, global_site).check_proper("server posterior")
         except PGVIError as err:
             raise UpdateRejected(",".join(deltas), str(err)) from err

@@ -583,6 +583,15 @@ class PGVIStrategy(Strategy):
         try:
             self._record_applied_round(grid, result)
             first_round = self.round_completed + 1
+            if first_round > num_rounds and self.history and self.history[-1]["version"] != self.state.version:
+                # resumed with fewer num-server-rounds than the open round, whose applied updates (a sequential
+                # round's first visits, an asynchronous round's arrivals) are in the state: recorded, as the
+                # synchronous schedule's applied round is, so that the last row describes the posterior written
+                log(INFO, "round %d: %d update(s) of it were applied before the restart and no round is left to run "
+                    "(num-server-rounds %d); recording it", first_round,
+                    self.state.version - int(self.history[-1]["version"]), num_rounds)
+                result.train_metrics_clientapp[first_round] = MetricRecord(RoundStats().as_metrics())
+                self._close_round(first_round, RoundStats(), grid, result, do_client_eval=True)
             for rnd in range(first_round, num_rounds + 1):
                 self._await_clients(grid, rnd)
                 self._rng_round = (rnd, self.rng.getstate())
@@ -595,9 +604,12 @@ class PGVIStrategy(Strategy):
                 failure = self._progress_failure(rnd, stats, grid)
                 run_sent, run_failed = run_sent + stats.sent, run_failed + stats.failed
                 run_applied += stats.applied
-                if failure is None and rnd == num_rounds and run_sent and not run_applied and run_failed >= run_sent:
+                if (failure is None and rnd == num_rounds and run_sent and not run_applied and run_failed >= run_sent
+                        and self.state.version == 0):
                     # fraction-train < 1: the sampled clients may never have covered every client, so no round
-                    # stopped the run; a run whose every message failed still ends as a failure, not "completed"
+                    # stopped the run; a run whose every message failed still ends as a failure, not "completed".
+                    # A resumed run counts its messages afresh, but the checkpoint's applied updates count too (state
+                    # version > 0): its uninterrupted twin applied them and completed
                     failure = (f"round {rnd}: no update was applied in rounds {first_round}-{rnd}: all {run_sent} "
                                f"client messages failed (last reason: {self._last_failure})")
                 if pool is not None and failure is None:
@@ -946,6 +958,8 @@ class PGVIStrategy(Strategy):
                     busy.discard(node)
                     stats.failed += 1
                     self.async_resolved += 1
+                    self._last_failure = (f"client '{self.node_client.get(node, node)}' did not reply within "
+                                          "round-timeout-s")
                     outcome(node, failed=True)
                     log(WARNING, "client on node %d timed out after %.3gs; it keeps its old site", node, timeout)
                     rnd, stats = close_if_full(rnd, stats)
