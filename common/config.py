@@ -43,6 +43,10 @@ MAX_TORCH_THREADS = 1024
 # (smallest normal, largest finite) of each dtype, as numpy's finfo(...).tiny / .max
 _FLOAT_RANGE = {"float32": (2.0**-126, (2.0 - 2.0**-23) * 2.0**127),
                 "float64": (sys.float_info.min, sys.float_info.max)}
+#: the largest |alpha| of an Alpha-Renyi divergence per dtype: 2^-10 / eps.  Its combined precision
+#: ``alpha lambda_q + (1 - alpha) lambda_p`` cancels to ~ alpha eps of its terms (at q = cavity the exact value is
+#: lambda_p; alpha 1e16 in float64 rounded it to <= 0, the divergence 'infinite' and every client failed round 1)
+_ALPHA_MAX = {"float32": 2.0**-10 / 2.0**-23, "float64": 2.0**-10 / 2.0**-52}
 
 
 #: What a key whose range its own validator checks takes, as the message refusing a bool for it says.
@@ -253,6 +257,33 @@ class RunConfig(BaseModel):
             raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v}")
         return v
 
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _staleness_kind(cls, v: object) -> object:
+        # before the union: a value neither branch takes would fail both ("max-staleness.int: ...; max-staleness.
+        # literal['auto']: ..."), two errors for one key
+        if isinstance(v, bool) or v == "auto" or isinstance(v, int):
+            return v
+        if isinstance(v, str):  # a number as text, as pydantic's lax mode reads it
+            try:
+                v = float(v.strip()) if v.strip().lower() not in ("nan", "inf", "-inf", "+inf") else v
+            except ValueError:
+                pass
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 2.0**63:
+            return int(v)
+        raise ValueError(f"max-staleness must be an integer >= 0 or 'auto', got {v!r}")
+
+    @field_validator("damping", mode="before")
+    @classmethod
+    def _damping_kind(cls, v: object) -> object:
+        # a string other than 'auto' (a number as text is read as the number, as pydantic's lax mode would)
+        if isinstance(v, str) and v != "auto":
+            try:
+                return float(v)
+            except ValueError:
+                raise ValueError(f"damping rho must be in (0, 1] or 'auto', got {v!r}") from None
+        return v
+
     @field_validator("max_staleness")
     @classmethod
     def _staleness_range(cls, v: int | str) -> int | str:
@@ -302,6 +333,36 @@ class RunConfig(BaseModel):
         if self.model in REGRESSION_MODELS and not tiny**0.5 <= self.likelihood_sigma <= tiny**-0.5:
             errors.append(f"likelihood-sigma: with dtype {self.dtype} sigma^2 and its inverse must be normal floats, "
                           f"i.e. sigma within [{tiny**0.5:.4g}, {tiny**-0.5:.4g}], got {self.likelihood_sigma:g}")
+        # rates and hyperparameters the computation scales by (with their derived factors, as the losses check
+        # them at run time): a subnormal one is 0 where the clients flush denormals (damping 1e-310: 'rho must be in
+        # (0, 1], got 0.0' from every client), one beyond the dtype's range inf
+        lo, hi = _FLOAT_RANGE[self.dtype]
+        scaled: list[tuple[str, float, tuple[float, ...]]] = [
+            ("lr", self.lr, (self.lr,)), ("lr-scale", self.lr_scale, (self.lr_scale,)),
+            ("fedavg-lr", self.fedavg_lr, (self.fedavg_lr,))]
+        if self.damping != "auto":
+            scaled.append(("damping", float(self.damping), (float(self.damping),)))
+        if self.loss == "gce" and 0.0 < self.loss_delta <= 1.0:
+            scaled.append(("loss-delta", self.loss_delta, (self.loss_delta,)))
+        if self.loss == "beta" and self.loss_beta > 1.0:
+            scaled.append(("loss-beta", self.loss_beta, (self.loss_beta, self.loss_beta - 1.0)))
+        if self.loss == "gamma" and self.loss_gamma > 1.0:
+            g, c = self.loss_gamma, self.loss_gamma - 1.0
+            scaled.append(("loss-gamma", g, (g, c, c / g, g / c)))
+        for key, name, alpha in (("divergence-alpha", self.divergence, self.divergence_alpha),
+                                 ("server-divergence-alpha", self.server_divergence, self.server_divergence_alpha)):
+            if name != "alpha_renyi" or alpha in (0.0, 1.0) or not math.isfinite(alpha):
+                continue  # refused above
+            if abs(alpha) > _ALPHA_MAX[self.dtype]:
+                errors.append(f"{key}: |alpha| must be <= {_ALPHA_MAX[self.dtype]:.4g} with dtype {self.dtype} "
+                              "(beyond it the combined precision alpha lambda_q + (1 - alpha) lambda_p loses the "
+                              f"digits that decide its sign), got {alpha:g}")
+            else:
+                scaled.append((key, alpha, (alpha, 1.0 - alpha, alpha * (alpha - 1.0))))
+        for key, value, factors in scaled:
+            if not all(lo <= abs(f) <= hi for f in factors):
+                errors.append(f"{key}: {value:g} is not representable with dtype {self.dtype}: it (or a factor of it "
+                              f"the computation uses) is outside the normal floats [{lo:.4g}, {hi:.4g}]")
         # scales a loss or divergence divides or multiplies a tensor by: outside these ranges they (or their
         # reciprocals) leave the dtype's normal floats and the objective is NaN (inf * 0) at valid data
         if self.loss == "score_matching" and self.sm_weight != "constant" and not tiny**0.5 <= self.sm_c <= tiny**-0.5:
@@ -329,6 +390,9 @@ class RunConfig(BaseModel):
                 errors.append(f"batch-halvings: {self.batch_halvings} does nothing with schedule '{self.schedule}' "
                               "(it applies one Delta at a time: a Delta that fails is rejected on its own); leave "
                               f"it at {default_halvings}")
+        if self.schedule != "sequential" and self.sequential_order.strip():
+            errors.append(f"sequential-order: sets the sequential schedule's visiting order and does nothing with "
+                          f"schedule '{self.schedule}'; leave it empty")
         order = [c.strip() for c in self.sequential_order.split(",") if c.strip()]
         if len(set(order)) != len(order):
             dup = sorted({c for c in order if order.count(c) > 1})

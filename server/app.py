@@ -61,7 +61,11 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
 
 def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) -> PGVIStrategy:
     data = load_full_data(cfg)
-    recorder = RoundRecorder(out_dir, cfg.to_flat())
+    try:  # before round 1: a directory that cannot be created or written is the run config's output-dir
+        recorder = RoundRecorder(out_dir, cfg.to_flat())
+    except OSError as err:
+        raise ConfigError(f"invalid run config: output-dir: cannot write the run's records to {str(out_dir)!r}: "
+                          f"{type(err).__name__}: {err.strerror or err}") from None
 
     def server_evaluate(q):  # held-out test set of the whole dataset
         with subnormals_flushed():  # on the evaluating thread, for this call (the process may be a test's)

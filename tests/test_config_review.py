@@ -427,3 +427,67 @@ def test_scales_outside_the_dtype_are_refused_naming_the_key(override, key):
 ])
 def test_representable_or_unused_scales_are_accepted(override):
     parse_run_config({**GAUSS32, **override})
+
+
+# review of 2026-11-28: values every client then refused in round 1 are refused before it, naming the key
+@pytest.mark.parametrize("override, key", [
+    ({"damping": 1e-310}, "damping"),  # the clients flush denormals: 'rho must be in (0, 1], got 0.0'
+    ({"lr": 1e-310}, "lr"), ({"lr-scale": 1e-310}, "lr-scale"), ({"fedavg-lr": 1e-310}, "fedavg-lr"),
+    ({"loss": "gce", "loss-delta": 1e-310}, "loss-delta"),
+    ({"divergence": "alpha_renyi", "divergence-alpha": 1e-310}, "divergence-alpha"),
+    ({"server-divergence": "alpha_renyi", "server-divergence-alpha": 1e-310}, "server-divergence-alpha"),
+    ({"dtype": "float32", "loss": "gce", "loss-delta": 1e-39}, "loss-delta"),
+    ({"dtype": "float32", "loss": "beta", "loss-beta": 1e39}, "loss-beta"),
+    ({"dtype": "float32", "loss": "gamma", "loss-gamma": 1e39}, "loss-gamma"),
+    ({"divergence": "alpha_renyi", "divergence-alpha": 1e16}, "divergence-alpha"),  # D(q || q) 'infinite'
+    ({"dtype": "float32", "divergence": "alpha_renyi", "divergence-alpha": 8193.0}, "divergence-alpha"),
+    ({"family": "full_covariance", "server-divergence": "alpha_renyi", "server-divergence-alpha": 1e16},
+     "server-divergence-alpha"),  # the server step failed at the prior, in PGVIStrategy's constructor
+    ({"sequential-order": "site-1"}, "sequential-order"),  # synchronous: silently ignored
+    ({"schedule": "asynchronous", "sequential-order": "site-1"}, "sequential-order"),
+])
+def test_values_the_clients_refused_in_round_1_are_config_errors(override, key):
+    msg = _config_error({"dataset": "breast_cancer", **override})
+    assert msg.startswith(f"invalid run config: {key}:"), msg
+
+
+@pytest.mark.parametrize("override", [
+    {"dtype": "float32", "divergence": "alpha_renyi", "divergence-alpha": 8192.0},
+    {"divergence": "alpha_renyi", "divergence-alpha": 4e12},
+    {"divergence": "alpha_renyi", "divergence-alpha": 1e-300}, {"lr": 1e-300}, {"damping": 1e-300},
+    {"schedule": "sequential", "sequential-order": "site-1"},
+])
+def test_extreme_but_usable_values_are_accepted(override):
+    parse_run_config({"dataset": "breast_cancer", **override})
+
+
+@pytest.mark.parametrize("value", [2.5, float("nan"), "abc", 1e20, "nan"])
+def test_a_bad_max_staleness_is_one_error(value):
+    msg = _config_error({"max-staleness": value})
+    assert msg.count("max-staleness") == 2 and ".int" not in msg and "literal" not in msg, msg  # key: message
+
+
+@pytest.mark.parametrize("value, expected", [("3", 3), (" 3 ", 3), (3.0, 3), ("3.0", 3), (2**63 - 1, 2**63 - 1)])
+def test_max_staleness_as_text_or_integral_float_is_read_as_before(value, expected):
+    assert parse_run_config({"max-staleness": value}).max_staleness == expected
+
+
+def test_a_bad_damping_string_is_one_error():
+    msg = _config_error({"damping": "abc"})
+    assert msg == "invalid run config: damping: damping rho must be in (0, 1] or 'auto', got 'abc'", msg
+    assert parse_run_config({"damping": "0.5"}).damping == 0.5
+
+
+def test_an_output_dir_that_cannot_be_written_is_a_config_error_before_round_1(tmp_path):
+    from server.app import run_strategy
+    from strategies.inprocess import InProcessGrid
+    from client.app import app as client_app
+
+    (tmp_path / "afile").write_text("")
+    raw = {"model": "gaussian_location", "dataset": "synthetic_gaussian_location", "num-server-rounds": 1,
+           "output-dir": str(tmp_path / "afile" / "out")}
+    cfg, problem = prepare(raw)
+    nodes = [{"partition-id": m, "num-partitions": 3, "client-id": f"site-{m}"} for m in range(3)]
+    grid = InProcessGrid(client_app, nodes, raw)
+    with pytest.raises(ConfigError, match=r"^invalid run config: output-dir: cannot write .*NotADirectoryError"):
+        run_strategy(grid, cfg, problem, tmp_path / "afile" / "out" / "run-1")
