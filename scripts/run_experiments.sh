@@ -21,6 +21,9 @@ E="experiments"
   $E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 --suffix=-staleness10 -c max-staleness=10
   # the old default bound of 2, which starved 7 of the 10 clients (docs/RESULTS.md section 2)
   $E fmnist-noniid --schedules asynchronous --seeds 0 --rounds 10 --suffix=-staleness2 -c max-staleness=2
+  # the three-seed rerun of 2026-11-28 and the sequential schedule with damping 0.3 (docs/RESULTS.md section 2)
+  $E fmnist-noniid --seeds 1 2 --rounds 10
+  $E fmnist-noniid --schedules sequential --seeds 0 1 2 --rounds 10 --suffix=-damping0.3 -c damping=0.3
 ) > runs/experiments/lane-a.log 2>&1 &
 (
   $E fmnist-noise --noise 0.0 --seeds 0 --methods fedgvi pvi fedavg
