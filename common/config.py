@@ -118,7 +118,7 @@ class RunConfig(BaseModel):
     sm_c: float = Field(1.0, gt=0)
     likelihood_sigma: float = Field(1.0, gt=0, description="known noise scale of the Gaussian models")
     divergence: str = "kl"
-    divergence_alpha: float = Field(2.5, description="Alpha-Renyi alpha (> 0, != 1)")
+    divergence_alpha: float = Field(2.5, description="Alpha-Renyi alpha (real, != 0, != 1)")
     divergence_w: float = Field(1.0, gt=0, description="weighted KL: D = (1/w) KL")
     server_divergence: str = "kl"
     server_divergence_alpha: float = 2.5
@@ -311,8 +311,8 @@ class RunConfig(BaseModel):
                     errors.append(f"{key}: alpha = 1 is the KL divergence; use divergence 'kl'")
                 elif alpha == 0.0:
                     errors.append(f"{key}: alpha = 0 is the reverse KL; use divergence 'reverse_kl'")
-                elif not alpha > 0.0:  # also catches NaN
-                    errors.append(f"{key}: alpha must be > 0, got {alpha}")
+                elif not math.isfinite(alpha):
+                    errors.append(f"{key}: alpha must be finite, got {alpha}")
         if self.min_clients > self.num_clients:
             errors.append(
                 f"min-clients: {self.min_clients} is more than the {self.num_clients} clients of the federation (num-clients)"

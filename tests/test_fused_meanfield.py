@@ -21,7 +21,7 @@ from common.variational import MeanFieldVariational
 pytestmark = pytest.mark.skipif(not fm.available(), reason="mean-field kernels could not be built here")
 
 DIVERGENCES = [("kl", {}), ("weighted_kl", {"w": 3.0}), ("reverse_kl", {}), ("alpha_renyi", {"alpha": 2.5}),
-               ("alpha_renyi", {"alpha": 0.5})]
+               ("alpha_renyi", {"alpha": 0.5}), ("alpha_renyi", {"alpha": -0.05})]  # alpha < 0: q no narrower than 0.048 x p
 
 
 def _setup(n: int = 5000, seed: int = 0) -> tuple[MeanFieldVariational, MeanFieldGaussian]:
