@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from logging import INFO, WARNING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
@@ -97,10 +99,24 @@ def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) ->
     return strategy
 
 
+@contextmanager
+def config_errors_logged() -> Iterator[None]:
+    """A :class:`ConfigError` leaving a ServerApp is first logged as one ERROR line naming the key, then re-raised:
+    Flower 1.39 logs every exception of a ServerApp with its traceback ("ServerApp raised an exception", or
+    "Simulation raised an exception") and marks the run failed with the message as its details; the line comes
+    before that traceback."""
+    try:
+        yield
+    except ConfigError as err:
+        log(ERROR, "%s", err)
+        raise
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg, problem = prepare(dict(context.run_config))
-    # how soon this process's Grid asks the SuperLink again for a reply's arrays still being pushed
-    object_pulls.set_initial_retry(cfg.object_pull_retry_s)
-    out_dir = Path(cfg.output_dir) / f"run-{grid.run.run_id}"
-    run_strategy(grid, cfg, problem, out_dir)
+    with config_errors_logged():
+        cfg, problem = prepare(dict(context.run_config))
+        # how soon this process's Grid asks the SuperLink again for a reply's arrays still being pushed
+        object_pulls.set_initial_retry(cfg.object_pull_retry_s)
+        out_dir = Path(cfg.output_dir) / f"run-{grid.run.run_id}"
+        run_strategy(grid, cfg, problem, out_dir)

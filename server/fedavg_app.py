@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 from client import object_pulls
 from common.config import ConfigError, RunConfig, parse_run_config
 from common.deterministic_mlp import baseline_hidden_sizes
-from server.app import prepare
+from server.app import config_errors_logged, prepare
 from strategies.fedavg_baseline import run_fedavg
 
 app = ServerApp()
@@ -31,8 +31,9 @@ def prepare_fedavg(run_config: dict) -> RunConfig:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = prepare_fedavg(dict(context.run_config))
-    object_pulls.set_initial_retry(cfg.object_pull_retry_s)
-    from common.problem import load_full_data
+    with config_errors_logged():
+        cfg = prepare_fedavg(dict(context.run_config))
+        object_pulls.set_initial_retry(cfg.object_pull_retry_s)
+        from common.problem import load_full_data
 
-    run_fedavg(grid, cfg, load_full_data(cfg), Path(cfg.output_dir) / f"fedavg-run-{grid.run.run_id}")
+        run_fedavg(grid, cfg, load_full_data(cfg), Path(cfg.output_dir) / f"fedavg-run-{grid.run.run_id}")

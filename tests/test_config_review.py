@@ -491,3 +491,21 @@ def test_an_output_dir_that_cannot_be_written_is_a_config_error_before_round_1(t
     grid = InProcessGrid(client_app, nodes, raw)
     with pytest.raises(ConfigError, match=r"^invalid run config: output-dir: cannot write .*NotADirectoryError"):
         run_strategy(grid, cfg, problem, tmp_path / "afile" / "out" / "run-1")
+
+
+@pytest.mark.parametrize("app_module", ["server.app", "server.fedavg_app"])
+def test_a_config_error_leaving_the_server_app_is_first_one_error_line(app_module, caplog):
+    # Flower 1.39 logs a failed ServerApp's traceback ('ServerApp raised an exception'); the message naming the
+    # key comes first, as one line
+    import importlib
+    import logging
+    import types
+
+    module = importlib.import_module(app_module)
+    ctx = types.SimpleNamespace(run_config={"loss": "huber"})
+    grid = types.SimpleNamespace(run=types.SimpleNamespace(run_id=1))
+    caplog.set_level(logging.ERROR, logger="flwr")
+    with pytest.raises(ConfigError, match="loss: unknown loss 'huber'"):
+        module.main(grid, ctx)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert lines and lines[0].startswith("invalid run config: loss: unknown loss 'huber'") and "\n" not in lines[0]
