@@ -26,6 +26,26 @@ app = ServerApp()
 def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
     """Everything that can fail on configuration, done before round 1 (raises ConfigError)."""
     cfg = parse_run_config(run_config)  # also the seed's range, so the stages below cannot fail on it
+    with _memory_attributed_to("num-clients/dataset (the synthetic sets draw 60 points per client)"):
+        return _prepare(cfg)
+
+
+@contextmanager
+def _memory_attributed_to(keys: str) -> Iterator[None]:
+    """A size the config accepts but this machine cannot allocate (``hidden="100000000"``: 25.6 GB of parameters;
+    ``num-clients=100000000`` for a synthetic set: 134 GiB) is a ConfigError naming the keys, not numpy's or torch's
+    allocation traceback."""
+    try:
+        yield
+    except MemoryError as err:
+        raise ConfigError(f"invalid run config: {keys}: does not fit in memory ({type(err).__name__}: {err})") from None
+    except RuntimeError as err:
+        if "can't allocate" not in str(err):
+            raise
+        raise ConfigError(f"invalid run config: {keys}: does not fit in memory ({' '.join(str(err).split())})") from None
+
+
+def _prepare(cfg: RunConfig) -> tuple[RunConfig, Problem]:
     # each stage's failure is attributed to the keys that stage reads
     try:
         load_clean_data(cfg)
@@ -50,7 +70,8 @@ def prepare(run_config: dict) -> tuple[RunConfig, Problem]:
         flush_denormals_from_environment()
     except ValueError as err:
         raise ConfigError(f"invalid environment: {err}") from None
-    problem = build_problem(cfg, data)
+    with _memory_attributed_to("model/hidden/family (the model's parameters and their Gaussian)"):
+        problem = build_problem(cfg, data)
     if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
         from strategies.checkpoint import CheckpointMismatch, load_checkpoint
 

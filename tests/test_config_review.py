@@ -509,3 +509,31 @@ def test_a_config_error_leaving_the_server_app_is_first_one_error_line(app_modul
         module.main(grid, ctx)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert lines and lines[0].startswith("invalid run config: loss: unknown loss 'huber'") and "\n" not in lines[0]
+
+
+@pytest.mark.parametrize("stage, error, keys", [
+    ("build_problem", RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                                   "you tried to allocate 25600000000 bytes"), "model/hidden/family"),
+    ("load_full_data", MemoryError("Unable to allocate 134. GiB for an array"), "num-clients/dataset"),
+])
+def test_a_size_that_does_not_fit_in_memory_is_a_config_error(monkeypatch, stage, error, keys):
+    # hidden="100000000" or num-clients=100000000 with a synthetic set ended prepare with the allocator's traceback
+    import server.app as server_app
+
+    def boom(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(server_app, stage, boom)
+    msg = _config_error({"dataset": "breast_cancer"}, via_prepare=True)
+    assert msg.startswith(f"invalid run config: {keys}") and "does not fit in memory" in msg, msg
+
+
+def test_other_runtime_errors_of_prepare_are_not_taken_for_memory(monkeypatch):
+    import server.app as server_app
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(server_app, "build_problem", boom)
+    with pytest.raises(RuntimeError, match="something else"):
+        prepare({"dataset": "breast_cancer"})
