@@ -3,7 +3,9 @@
 Flower passes the run config as a flat dict of ``int | float | bool | str`` with hyphenated keys
 (``[tool.flwr.app.config]`` in pyproject.toml, overridden by ``flwr run -c 'key=value'``).  :func:`parse_run_config`
 turns it into a :class:`RunConfig` or raises one :class:`ConfigError` whose message names every offending key,
-before round 1 — never a traceback in round 7.
+before round 1 — never a traceback in round 7.  The checks run in two stages: every key's own value, then (once all
+values are valid) the checks across keys (a loss's hyperparameter, a model/dataset pair, ...); a message lists every
+offending key of the first stage that fails, so fixing those can reveal errors of the second.
 """
 
 from __future__ import annotations
