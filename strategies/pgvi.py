@@ -833,10 +833,12 @@ class PGVIStrategy(Strategy):
         fraction-train: num-clients once every client has connected, fewer while some have not (a client that never
         connects must not keep a round from closing), more from the round after a late client was identified.
 
-        A node whose message failed (an error reply, a failed push, a timeout) is sent its next message only after
-        a back-off (``resend_first`` seconds, doubling per further failure up to ``resend_max``; any other outcome
-        resets it): a client that fails at once would otherwise be re-sent at every poll and fill the remaining
-        rounds with its failures while a healthy client's update is still being computed.
+        A node whose message failed (an error reply, a failed push, a timeout) or whose reply applied nothing for
+        another reason than staleness (a resync request, a Delta against another site version, a rejected Delta) is
+        sent its next message only after a back-off (``resend_first`` seconds, doubling per further such outcome up
+        to ``resend_max``; an applied or a stale update resets it): a client that answers at once would otherwise be
+        re-sent at every poll and fill the remaining rounds with its outcomes while a healthy client's update is
+        still being computed (a resync flood closed every round with nothing applied, and the run 'completed').
 
         A message times out when a pull made more than ``round-timeout-s`` after its push finds no reply to it (a
         reply that arrived while the server was closing a round is pulled first). The run as a whole waits for its
@@ -855,11 +857,11 @@ class PGVIStrategy(Strategy):
         self._failing = set()
         self._stale_streak = {}
 
-        def outcome(node: int, failed: bool, applied: bool = False) -> None:
+        def outcome(node: int, failed: bool, applied: bool = False, wait: bool = False) -> None:
             self._note_outcome(node, failed, applied)
             if not applied:  # an applied update was checkpointed with it; a failure or rejection counts in the round
                 self._checkpoint()  # too, so a resumed run does not wait for one outcome more than the round had
-            if not failed:
+            if not (failed or wait):
                 resend_at.pop(node, None)
                 return
             backoff = resend_at[node][1] if node in resend_at else self._resend_backoff()
@@ -932,7 +934,7 @@ class PGVIStrategy(Strategy):
                     for d in self._decode_replies(rnd, [reply], RoundStats(), charge=False):
                         self._reject(rnd, d.client_id, d.node_id, "arrived after the last round", None, bad=False)
                     continue
-                failed, applied = stats.failed, stats.applied
+                failed, applied, stale = stats.failed, stats.applied, False
                 for d in self._decode_replies(rnd, [reply], stats, charge=sent_version >= 0):
                     if sent_version < 0:  # not a reply to a message in flight
                         self._reject(rnd, d.client_id, d.node_id, "reply to no message in flight", stats, bad=False)
@@ -943,6 +945,7 @@ class PGVIStrategy(Strategy):
                     if staleness > bound:
                         self._reject(rnd, d.client_id, d.node_id, f"stale update ({staleness} versions > max-staleness {bound})", stats, bad=False)
                         self._note_stale(rnd, d.client_id, staleness, bound)
+                        stale = True
                         continue
                     before = stats.applied
                     with stats.timed("apply"):
@@ -950,7 +953,12 @@ class PGVIStrategy(Strategy):
                     if stats.applied > before:
                         self._note_applied(d.client_id)
                 if sent_version >= 0:  # the outcome of a message in flight (not a duplicate)
-                    outcome(node, failed=stats.failed > failed, applied=stats.applied > applied)
+                    # every outcome but an applied update or a stale one (other clients' updates landed meanwhile:
+                    # progress) waits before its next message, as a failure does: a resync, a Delta against another
+                    # site version or a rejected one cost the client nothing and would otherwise fill the rounds
+                    # while a healthy client computes
+                    applied_now = stats.applied > applied
+                    outcome(node, failed=stats.failed > failed, applied=applied_now, wait=not (applied_now or stale))
                 rnd, stats = close_if_full(rnd, stats)  # a round is exactly per_round messages, not a whole pull
             for mid, (node, sent, _) in list(inflight.items()):
                 if pulled_at - sent > timeout:

@@ -110,3 +110,37 @@ def test_bad_resend_back_off_is_refused_at_construction(first, cap):
     raw, cfg, _ = _setup(2, rounds=1)
     with pytest.raises(ValueError, match="back-off"):
         PGVIStrategy(build_problem(cfg), resend_first=first, resend_max=cap)
+
+
+@pytest.mark.parametrize("mode", ["resync", "other-site-version"])
+def test_instant_non_failures_do_not_fill_the_rounds_of_a_slow_healthy_client(mode):
+    """A client that answers every train message at once with a resync request, or with a Delta against another site
+    version (neither charged as a bad reply), was re-sent at once (the back-off was for failures only): its instant
+    outcomes closed every round, the healthy client's updates arrived after the last one and the run 'completed'
+    with nothing applied (review of 2026-11-28)."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    from common import protocol as P
+
+    raw, cfg, nodes = _setup(2, rounds=6)
+    grid = _TimedGrid(client_app, nodes, raw)
+    flooding, healthy = sorted(grid.contexts)
+    grid.slow[healthy] = 0.25
+
+    def hook(request: Message, reply: Message) -> list[Message]:
+        if request.metadata.message_type != "train" or request.metadata.dst_node_id != flooding:
+            return [reply]
+        if mode == "resync":
+            config = ConfigRecord({"client-id": request.content[P.CONFIG]["client-id"], "status": P.STATUS_RESYNC,
+                                   "reason": "", "base-site-version": 0})
+            return [Message(RecordDict({P.CONFIG: config, P.METRICS: MetricRecord({})}), reply_to=request)]
+        reply.content[P.CONFIG]["base-site-version"] = 10**6
+        return [reply]
+
+    grid.reply_hook = hook
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0, poll_max=0.002, resend_first=0.05, resend_max=0.2)
+    strategy.start(grid)
+    # was: ledger {site-0: 0, site-1: 0}, 12 messages to the flooding client against 1 to the healthy one
+    assert strategy.ledger_versions[strategy.node_client[healthy]] >= 3, strategy.ledger_versions
+    assert sum(int(r["applied"]) for r in strategy.history[1:]) >= 3
+    assert len(grid.sends[flooding]) <= 3 * len(grid.sends[healthy]), (grid.sends[flooding], grid.sends[healthy])
