@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import PGVIError, ShapeMismatchError
-from common.families import GaussianFactor
+from common.errors import ImproperDistributionError, PGVIError, ShapeMismatchError
+from common.families import FullCovarianceGaussian, GaussianFactor
 
 
 def check_damping(rho: float) -> float:
@@ -35,7 +35,43 @@ def cavity(posterior: GaussianFactor, site: GaussianFactor) -> GaussianFactor:
     against a ``q`` the server never holds: the server only sends proper posteriors, so this is a corrupted
     message or a direct caller's mistake, named here)."""
     posterior.check_proper("posterior")
-    return (posterior / site).check_proper("cavity")
+    cav = posterior / site
+    detail = cav.improper_detail()
+    if detail is None:
+        return cav
+    if _within_rounding_of_posterior(posterior, cav):
+        detail += (f"; there the cavity's precision is within {posterior.dtype}'s rounding of the posterior's: this "
+                   "client's site holds nearly all of it (a vague prior, or this client's data dominating those "
+                   "directions), and the exact cavity, prior x the other sites, is lost in q's rounding: run with "
+                   "dtype float64")
+    raise ImproperDistributionError("cavity", detail)
+
+
+#: how many ulps of the posterior's precision a non-positive cavity precision may be from 0 to be put down to rounding
+_CANCELLATION_ULPS = 16.0
+
+
+def _within_rounding_of_posterior(posterior: GaussianFactor, cav: GaussianFactor) -> bool:
+    """Whether some non-positive precision of the cavity ``q / t_m`` is within a few ulps of the posterior's own
+    precision there (in the factors' dtype): the difference of two nearly equal precisions, whose exact value (the
+    prior's and the other sites' precision) was rounded away when ``q`` was formed.  Finite factors only."""
+    eps = torch.finfo(posterior.dtype).eps
+    if isinstance(cav, FullCovarianceGaussian) and isinstance(posterior, FullCovarianceGaussian):
+        lam_c = -(cav.eta2 + cav.eta2.T)
+        lam_q = -(posterior.eta2 + posterior.eta2.T)
+        if not (torch.isfinite(lam_c).all() and torch.isfinite(lam_q).all()):
+            return False
+        smallest = float(torch.linalg.eigvalsh(lam_c.to(torch.float64))[0])
+        scale = float(torch.linalg.matrix_norm(lam_q.to(torch.float64), ord=2))
+        return smallest <= 0.0 and -smallest <= _CANCELLATION_ULPS * eps * scale
+    for key, e2 in cav.params.items():
+        if not key.startswith("eta2"):
+            continue
+        lam_c, lam_q = -2.0 * e2, -2.0 * posterior.params[key]
+        bad = lam_c <= 0
+        if bool(bad.any()) and bool((lam_c[bad].abs() <= _CANCELLATION_ULPS * eps * lam_q[bad].abs()).any()):
+            return True
+    return False
 
 
 def product_of_sites(sites: Iterable[GaussianFactor], like: GaussianFactor,

@@ -373,3 +373,40 @@ def test_remove_site_that_would_leave_an_improper_posterior_changes_nothing():
     with pytest.raises(UpdateRejected, match="removing its site"):
         state.remove_site("a")
     assert (state.posterior, state.global_site, dict(state.sites), state.version) == before
+
+
+F32 = torch.float32
+
+
+def _mf32(prec: list[float], mean: float = 0.5) -> MeanFieldGaussian:
+    lam = torch.tensor(prec, dtype=F32)
+    return MeanFieldGaussian({"w": lam * mean}, {"w": -0.5 * lam})
+
+
+@pytest.mark.parametrize("family", ["mean_field", "full_covariance"])
+def test_a_cavity_lost_to_the_posteriors_rounding_says_so(family):
+    # float32: prior precision 1e-6 (variance 1e6) + one client's site 100 rounds to 100; q / t is then 0 or -0,
+    # while the exact cavity (the prior) is proper: the error names the cause and the way out
+    prior_prec, site_prec = 1e-6, 100.0
+    if family == "mean_field":
+        site = _mf32([site_prec, site_prec])
+        q = _mf32([site_prec + prior_prec, site_prec + prior_prec])  # rounds to the site's precision
+    else:
+        eye = torch.eye(2, dtype=F32)
+        site = FullCovarianceGaussian(torch.zeros(2, dtype=F32), -0.5 * site_prec * eye)
+        q = FullCovarianceGaussian(torch.zeros(2, dtype=F32), -0.5 * (site_prec + prior_prec) * eye)
+    with pytest.raises(ImproperDistributionError, match="within torch.float32's rounding .* run with dtype float64"):
+        cavity(q, site)
+
+
+@pytest.mark.parametrize("family", ["mean_field", "full_covariance"])
+def test_a_genuinely_improper_cavity_does_not_blame_rounding(family):
+    if family == "mean_field":
+        q, site = _mf32([1.0, 1.0]), _mf32([5.0, 0.5])
+    else:
+        eye = torch.eye(2, dtype=F32)
+        q = FullCovarianceGaussian(torch.zeros(2, dtype=F32), -0.5 * eye)
+        site = FullCovarianceGaussian(torch.zeros(2, dtype=F32), -2.5 * eye)
+    with pytest.raises(ImproperDistributionError) as info:
+        cavity(q, site)
+    assert "rounding" not in str(info.value), str(info.value)
