@@ -628,10 +628,14 @@ def _finite_float(expected: Tensor, div: Tensor, where: str) -> float:
 
 def _select_path(obj: _Objective, q: VariationalGaussian, config: LocalGVIConfig) -> str:
     if config.closed_form and hasattr(obj.loss, "quadratic"):
-        quad = obj.loss.quadratic(obj.model, obj.x, obj.y, obj.reference_theta)
+        # formed from the data in float64 and kept there (QuadraticLoss.expectation evaluates in float64 and returns
+        # the mean's dtype): in float32 the sums of y and y^2 behind its shift and constant round at the scale of
+        # the whole data set, which its terms then cancel down from
+        f64 = torch.float64
+        quad = obj.loss.quadratic(obj.model, None if obj.x is None else obj.x.to(f64), obj.y.to(f64),
+                                  {k: v.to(f64) for k, v in obj.reference_theta.items()})
         if quad is not None:
-            obj.quadratic = QuadraticLoss(quad.precision.to(obj.dtype), quad.shift.to(obj.dtype),
-                                          quad.constant, quad.name)
+            obj.quadratic = QuadraticLoss(quad.precision.to(f64), quad.shift.to(f64), quad.constant, quad.name)
             return "closed_form"
     if config.quadrature_points > 0:
         dim = q.flat_dim()

@@ -30,6 +30,7 @@ from common.divergences import (
     fisher_rao_univariate,
     kl_mean_field_elementwise,
     kl_via_log_normalizer,
+    make_divergence,
 )
 from common.errors import DivergenceUndefinedError, NonFiniteError, ShapeMismatchError
 from common.evaluation import evaluate_posterior
@@ -414,3 +415,34 @@ def test_score_matching_takes_a_1d_target_only_for_a_one_dimensional_output() ->
         loss(out2, y)
     with pytest.raises(ShapeMismatchError):
         loss(out2, torch.randn(4, 2, generator=g, dtype=torch.float64))
+
+
+def test_float32_closed_form_local_step_matches_float64_on_data_far_from_zero():
+    # review of 2026-11-28: 1,000 points at y ~ 1000 (sigma 1); the closed-form expected NLL 1/2 mu'P mu - h'mu + c
+    # cancelled in float32 to a value that was not even monotone in the mean: the local optimiser stopped 7 posterior
+    # sds off with a variance 21x too wide. Now formed from the data in float64 and evaluated there
+    from common.local_gvi import LocalGVIConfig as Cfg
+
+    g = torch.Generator().manual_seed(0)
+    y64 = 1000.0 + torch.randn(1000, 1, generator=g, dtype=F64)
+    model = make_model("gaussian_location", dim=1, sigma=1.0)
+    results = {}
+    for dt in (F64, torch.float32):
+        cav = MeanFieldGaussian.from_mean_variance({"theta": torch.tensor([1000.0], dtype=dt)},
+                                                   {"theta": torch.tensor([1.0], dtype=dt)})
+        init = MeanFieldGaussian.from_mean_variance({"theta": torch.tensor([1000.3], dtype=dt)},
+                                                    {"theta": torch.tensor([0.01], dtype=dt)})
+        res = local_gvi(model, make_loss("nll"), make_divergence("alpha_renyi", alpha=2.5), cav, None, y64.to(dt),
+                        init, Cfg(epochs=300, lr=0.01, lr_scale=0.01, patience=10))
+        assert res.path == "closed_form"
+        results[dt] = (float(res.posterior.mean()["theta"][0]), float(res.posterior.variance()["theta"][0]))
+    (m64, v64), (m32, v32) = results[F64], results[torch.float32]
+    assert abs(m32 - m64) < 0.05 * math.sqrt(v64), results  # was 7 sds
+    assert abs(v32 / v64 - 1.0) < 0.02, results  # was 21x
+    # the expectation itself: smooth in the mean, its differences those of the exact sum
+    quad = make_loss("nll").quadratic(model, None, y64)
+    for mu in (1000.0, 1000.01, 1000.02):
+        m32 = torch.tensor([mu], dtype=torch.float32)
+        v32_ = torch.tensor([1e-3], dtype=torch.float32)
+        exact = float(((y64 - mu) ** 2).sum() / 2 + 0.5 + 500 * math.log(2 * math.pi))
+        assert float(quad.expectation(m32, v32_)) == pytest.approx(exact, rel=1e-6)
