@@ -74,6 +74,8 @@ RESULT_TIMEOUT_S = 3600.0  # default of the node config key compute-worker-timeo
 # large are typos, and refusing them with the limit in the message beats an OverflowError in round 1.
 MAX_HANDSHAKE_TIMEOUT_S = 3600.0  # --handshake-timeout-s; it also bounds the wait for the request
 MAX_RESULT_TIMEOUT_S = 30 * 86400.0  # node config compute-worker-timeout-s (client/app.py)
+#: the largest request or reply either side reads (a pickled posterior, site and Delta: 2.5 MB for the 784-200-10 BNN)
+MAX_MESSAGE_BYTES = 1 << 32
 _POLL_SLICE_S = 86400.0
 
 
@@ -259,9 +261,12 @@ def call(socket_path: str | os.PathLike, request: object, *, timeout: float = RE
             if not _wait_for_reply(conn, deadline):
                 raise WorkerTimeout(f"compute worker at {socket_path} sent no result within {timeout:g} s "
                                     "(node config compute-worker-timeout-s)")
-            data = conn.recv_bytes()
+            data = conn.recv_bytes(MAX_MESSAGE_BYTES)
         except WorkerUnavailable:  # the WorkerTimeout above: a ConnectionError, i.e. an OSError
             raise
+        except MemoryError as err:  # a reply too large to hold: the ClientApp computes itself
+            raise WorkerLost(f"compute worker at {socket_path} sent a reply that does not fit in memory: "
+                             f"{_describe(err)}") from err
         except BlockingIOError as err:  # SO_SNDTIMEO/SO_RCVTIMEO: the worker stopped reading or writing
             raise WorkerTimeout(f"compute worker at {socket_path} stalled for {timeout:g} s mid-transfer "
                                 "(node config compute-worker-timeout-s)") from err
@@ -304,10 +309,12 @@ def _serve_one(conn: Connection, handle) -> None:
     on.  A reply that cannot be pickled is reported as an ``"error"`` reply.
     """
     try:
-        data = conn.recv_bytes()
+        data = conn.recv_bytes(MAX_MESSAGE_BYTES)
     except EOFError:
         return
-    except OSError as err:  # BlockingIOError: no request within the I/O timeout after the handshake
+    except (OSError, MemoryError) as err:  # BlockingIOError: no request within the I/O timeout after the handshake;
+        # "bad message length": a header announcing more than MAX_MESSAGE_BYTES (2^62 raised MemoryError, uncaught:
+        # the worker exited and every later message computed in the ClientApp)
         print(f"[warm-worker] no request received: {err!r}", file=sys.stderr, flush=True)
         return
     try:

@@ -3,7 +3,7 @@
 Train message (server -> client), one per selected node:
   "posterior"  ArrayRecord  natural parameters of the current server posterior
   "site"       ArrayRecord  OPTIONAL: the server ledger's copy of this client's site (resync)
-  "config"     ConfigRecord server-round, posterior-version, rho, site-version (-1 = unknown node), seed,
+  "config"     ConfigRecord client-id, server-round, posterior-version, rho, site-version (-1 = unknown node),
                             site-tag, has-site, posterior-layout (and site-layout with a site)
 Train reply (client -> server):
   "delta"      ArrayRecord  Delta natural parameters (absent when status != "ok")

@@ -123,11 +123,13 @@ MAX_REPLY_TEXT = 500
 def _reply_text(value: object, limit: int = MAX_REPLY_TEXT) -> str:
     """A reply's free text (a failed client's ``reason``, an exception raised on a malformed reply) as it goes
     into logs, rejections, ``AllClientsFailed`` and every later checkpoint: a string cut to ``limit`` characters
-    (the cut said), anything else named by its type, never its whole ``str()`` (a 2 MB string or an Array's
-    repr made every checkpoint megabytes larger)."""
+    (the cut said) with its non-printable characters escaped (``\\n``), anything else named by its type, never its
+    whole ``str()`` (a 2 MB string or an Array's repr made every checkpoint megabytes larger)."""
     if not isinstance(value, str):
         return f"<a {type(value).__name__}, not a string>"
-    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters, cut)"
+    text = value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters, cut)"
+    # a newline or an escape sequence would forge a log line (as client_id_problem says of client ids): escaped
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 #: Train-reply metrics the server records in the round's row, each a finite real number in [0, 2^53]
@@ -288,7 +290,10 @@ def _metric_number(value: object) -> float | None:
     :func:`_pool_client_metrics`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond float's range (10**400): Flower's wire refuses it, the in-process grid not
+        return math.inf if value > 0 else -math.inf
     return None if math.isnan(x) else x
 
 
@@ -307,13 +312,26 @@ def _weighted_mean(pairs: list[tuple[float, float]]) -> float:
     return scale * math.fsum((n / total) * (t / scale) for n, t in pairs)
 
 
+def _root_mean_square(pairs: list[tuple[float, float]]) -> float:
+    """``sqrt(sum n r^2 / sum n)`` over ``(n, r)`` pairs (``n > 0``, ``r >= 0``: per-client RMSEs), the RMSE of the
+    union, as ``max r * sqrt(sum (n / N)(r / max r)^2)``: squaring first overflowed a finite 1e200 to inf."""
+    infinite = [r for _, r in pairs if math.isinf(r)]
+    if infinite:
+        return infinite[0]
+    scale = max(abs(r) for _, r in pairs)
+    if scale == 0.0:
+        return 0.0
+    total = math.fsum(n for n, _ in pairs)
+    return scale * math.sqrt(math.fsum((n / total) * (r / scale) ** 2 for n, r in pairs))
+
+
 def _pool_client_metrics(means: dict[str, float], n_total: float, bins: dict[str, float], all_binned: bool,
                          undefined: frozenset[str] = frozenset()) -> dict[str, float]:
     """Metrics of all clients' test points together: means over points are example-weighted means over the
     clients that reported that metric (``means[k]``, :func:`_weighted_mean` of their examples and values; a client
     without the key, e.g. a regression client beside classifiers, or with a NaN, adds neither to the sum nor to
     the weight); the RMSE is the root of the
-    pooled mean square; the ECE comes from the summed per-bin sums when every client sent them (the
+    pooled mean square (:func:`_root_mean_square`, in ``means``); the ECE comes from the summed per-bin sums when every client sent them (the
     example-weighted mean of per-client ECEs is not the ECE of the union), else it is that mean.  Counts
     (``num_points`` of common.metrics) are not means: weighted by n they gave sum(n^2)/sum(n); the pooled count is
     ``client-num-examples`` (the examples of every reply taken).
@@ -324,8 +342,6 @@ def _pool_client_metrics(means: dict[str, float], n_total: float, bins: dict[str
     nodes).  NaN rather than leaving the key out: a missing key reads as "no client reported it"."""
     out = {f"client-{k}": math.nan if k in undefined else v
            for k, v in means.items() if k not in ("num_points", "num-points")}
-    if "client-rmse" in out:
-        out["client-rmse"] = math.sqrt(max(out["client-rmse"], 0.0))
     if "ece" in means and all_binned and bins:
         n_bins = 1 + max(int(m.group(1)) for m in map(_BIN_KEY.fullmatch, bins) if m)
         sums = [[bins.get(bin_sum_key(b, what), 0.0) for b in range(n_bins)] for what in ("count", "conf", "correct")]
@@ -474,14 +490,14 @@ class PGVIStrategy(Strategy):
                 values.update(dict.fromkeys(outside))
             for k, v in values.items():
                 if v is not None and k not in bin_values:
-                    term = v * v if k == "rmse" else v
-                    if math.isinf(term):
-                        infinite.setdefault(k, ([], []))[term < 0].append(msg.metadata.src_node_id)
-                    terms.setdefault(k, []).append((n, term))
+                    if math.isinf(v):
+                        infinite.setdefault(k, ([], []))[v < 0].append(msg.metadata.src_node_id)
+                    terms.setdefault(k, []).append((n, v))
         if n_total == 0:
             return None
         undefined = frozenset(k for k, (pos, neg) in infinite.items() if pos and neg)
-        means = {k: math.nan if k in undefined else _weighted_mean(pairs) for k, pairs in terms.items()}
+        means = {k: math.nan if k in undefined else (_root_mean_square(pairs) if k == "rmse" else _weighted_mean(pairs))
+                 for k, pairs in terms.items()}
         out = _pool_client_metrics(means, n_total, bins, all_binned, undefined)
         for k in sorted(undefined):
             if math.isnan(out.get(f"client-{k}", 0.0)):  # not a count (not pooled) nor an ECE pooled from its bins
@@ -1592,7 +1608,12 @@ class PGVIStrategy(Strategy):
                 extra.update({k: float(v) for k, v in agg.items()})
         row: dict[str, float] = {"round": float(rnd), "version": float(self.state.version)}
         row.update(stats.as_metrics())
-        row.update(extra)
+        clashing = sorted(k for k in extra if k in row)
+        if clashing:  # the clients name their evaluation metrics: one named like a server statistic
+            # ('seconds-max' -> client-seconds-max, from the applied train replies) does not replace it
+            log(WARNING, "round %d: client evaluation metric(s) named like the server's own statistics left out: %s",
+                rnd, ", ".join(clashing))
+        row.update({k: v for k, v in extra.items() if k not in row})
         row["round-seconds"] = (stats.evaluated or time.perf_counter()) - stats.started
         row["started-at"] = stats.started_at  # Unix time
         row["recorded-at"] = time.time()

@@ -429,3 +429,22 @@ def test_key_file_is_not_written_through_a_planted_symlink(tmp_path):
         assert 0.0 <= warm_worker.call(sock, _request("evaluate")).metrics["accuracy"] <= 1.0
     finally:
         _stop_worker(proc)
+
+
+@pytest.mark.parametrize("announced", [2**62, warm_worker.MAX_MESSAGE_BYTES + 1])
+def test_a_request_announcing_a_huge_length_is_dropped_and_the_worker_keeps_serving(announced):
+    # review of 2026-11-28: recv_bytes() without a bound raised MemoryError at 2^62 announced bytes, which serve()
+    # did not catch: the worker exited, its socket and key were removed
+    import socket
+    import struct
+    from multiprocessing.connection import Connection
+
+    a, b = socket.socketpair()
+    peer = Connection(b.detach())
+    worker_side = warm_worker._connection(a, 5.0)
+    peer._send(struct.pack("!i", -1) + struct.pack("!Q", announced))
+    try:
+        assert warm_worker._serve_one(worker_side, lambda request: "never") is None
+    finally:
+        peer.close()
+        worker_side.close()
