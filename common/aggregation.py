@@ -80,7 +80,13 @@ def natural_parameter_norm(factor: GaussianFactor) -> float:
     """Euclidean norm of all natural-parameter coordinates of ``factor`` (eta1 and eta2 flattened together),
     accumulated in float64."""
     norms = [float(torch.linalg.vector_norm(v.detach(), dtype=torch.float64)) for v in factor.params.values()]
-    return math.hypot(*norms)
+    norm = math.hypot(*norms)
+    if math.isinf(norm):  # finite entries whose squares overflow (a float64 Delta of 1e200s: the clip zeroed it)
+        scale = max(float(v.detach().abs().max().to(torch.float64)) for v in factor.params.values() if v.numel())
+        if math.isfinite(scale) and scale > 0.0:
+            return scale * math.hypot(*(float(torch.linalg.vector_norm(v.detach().to(torch.float64) / scale))
+                                        for v in factor.params.values()))
+    return norm
 
 
 def check_batch(deltas: Mapping[str, GaussianFactor]) -> list[str]:

@@ -489,3 +489,16 @@ def test_aggregate_can_be_improper_where_sum_is_proper():
     with pytest.raises(UpdateRejected, match="improper"):
         state.apply(credited)
     assert state.version == 0
+
+
+def test_norm_clip_scales_a_delta_whose_norm_overflows_instead_of_zeroing_it():
+    # review of 2026-11-28: entries 1e200 (finite, float64) have norm 2e200 but their squares overflow: the norm was
+    # inf and d ** (bound / inf) credited the client a zero Delta instead of one scaled to the bound
+    from common.aggregation import NormClip, natural_parameter_norm
+
+    f64 = torch.float64
+    big = FullCovarianceGaussian(torch.full((2,), 1e200, dtype=f64), -1e200 * torch.eye(2, dtype=f64))
+    assert natural_parameter_norm(big) == pytest.approx(2e200, rel=1e-12)
+    out = NormClip(max_norm=10.0)({"a": big})["a"]
+    assert natural_parameter_norm(out) == pytest.approx(10.0, rel=1e-12)
+    torch.testing.assert_close(out.params["eta1"], torch.full((2,), 5.0, dtype=f64))
