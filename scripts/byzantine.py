@@ -434,6 +434,10 @@ def main() -> None:
     for agg in args.aggregators.split(","):
         if agg and agg not in AGGREGATORS:
             ap.error(f"--aggregators: unknown aggregator {agg!r}; known: {', '.join(AGGREGATORS)}")
+    for option, listed in (("--attacks", args.attacks), ("--aggregators", args.aggregators)):
+        items = [a for a in listed.split(",") if a]
+        if repeated := sorted({a for a in items if items.count(a) > 1}):  # two processes would write one directory
+            ap.error(f"{option}: listed twice: {', '.join(repeated)}")
     if args.from_records and not args.out.is_dir():
         ap.error(f"--from-records: {args.out} is not a directory, so there are no records to rebuild the tables from")
 

@@ -347,7 +347,10 @@ def _rows(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # a metric written as null (a NaN: results.py writes strict JSON) reads as NaN, which the best-over-rounds
+    # statistics skip (np.nanmax / np.nanmin) and the plots leave as gaps, instead of failing the whole report
+    return [{k: math.nan if v is None else v for k, v in json.loads(line).items()}
+            for line in path.read_text().splitlines() if line.strip()]
 
 
 def summarise(run_dir: Path) -> dict[str, object] | None:
@@ -383,14 +386,20 @@ def summarise(run_dir: Path) -> dict[str, object] | None:
         "noise": float(cfg.get("label-noise", 0.0)), "seed": int(cfg.get("seed", 0)),
         "schedule": _schedule_label(cfg), "rounds": int(final["round"]),
         "budget": _budget_label(cfg), "label": _variant_label(cfg.get("method") or run_dir.name.split("-")[0], cfg),
-        "best-accuracy": max(r["test-accuracy"] for r in rows), "final-accuracy": final["test-accuracy"],
-        "best-nll": min(nlls), "final-nll": final["test-nll"],
-        "best-ece": min(r["test-ece"] for r in rows), "final-ece": final["test-ece"],
+        "best-accuracy": _best(np.nanmax, [r["test-accuracy"] for r in rows]), "final-accuracy": final["test-accuracy"],
+        "best-nll": _best(np.nanmin, nlls), "final-nll": final["test-nll"],
+        "best-ece": _best(np.nanmin, [r["test-ece"] for r in rows]), "final-ece": final["test-ece"],
         "final-brier": final["test-brier"], "wall-seconds": float(summary.get("wall-seconds", math.nan)),
         "client-seconds-per-round": float(np.mean(secs)) if secs else math.nan,
         "client-epochs-per-round": float(np.mean(epochs)) if epochs else math.nan,
         "config": json.dumps({k: v for k, v in sorted(cfg.items()) if k not in _NOT_SETTINGS}),
     }
+
+
+def _best(pick: Callable[[np.ndarray], np.floating], values: list[float]) -> float:
+    """The best of a run's per-round values, NaN rounds skipped (NaN if every round is NaN)."""
+    arr = np.asarray(values, dtype=float)
+    return float(pick(arr)) if (~np.isnan(arr)).any() else math.nan
 
 
 #: run-config keys that may differ between runs averaged into one table cell (the cell's own coordinates)
@@ -460,11 +469,18 @@ def _variant_label(method: str, cfg: dict) -> str:
     return label
 
 
-def _shown_label(row: dict[str, object], several_budgets: bool) -> str:
+def _several_budgets(rows: list[dict[str, object]]) -> frozenset[bool]:
+    """Which kinds of run (``True``: FedAvg, ``False``: PGVI) come in more than one budget among ``rows``."""
+    return frozenset(fedavg for fedavg in (False, True)
+                     if len({r["budget"] for r in rows if (r["method"] == "fedavg") == fedavg}) > 1)
+
+
+def _shown_label(row: dict[str, object], several: frozenset[bool]) -> str:
     """A run's label in a table row or a plot legend: the epoch cap is added when the same table or plot holds
-    several PGVI budgets, so that runs of different budgets are never averaged together."""
-    if several_budgets and row["method"] != "fedavg":
-        return f"{row['label']} [{str(row['budget']).split(', ', 1)[1]}]"
+    several budgets of its kind (:func:`_several_budgets`: PGVI's, or FedAvg's local epochs), so that runs of
+    different budgets are never averaged together or shown under one name."""
+    if (row["method"] == "fedavg") in several:
+        return f"{row['label']} [{str(row['budget']).split(', ', 1)[1].removesuffix(' (FedAvg)')}]"
     return str(row["label"])
 
 
@@ -512,8 +528,8 @@ def report_fmnist_noise(exp_dir: Path) -> str:
         lines += ["", f"**{budgets}**", "",
                   "| method | metric | " + " | ".join(f"{round(e * 100)} % noise" for e in noises) + " |",
                   "|---|---|" + "---|" * len(noises)]
-        # a row per (variant, budget); the budget is spelled out when one table holds several PGVI budgets
-        several = len({r["budget"] for r in sel if r["method"] != "fedavg"}) > 1
+        # a row per (variant, budget); the budget is spelled out when one table holds several of its kind
+        several = _several_budgets(sel)
         variants = sorted({(str(r["method"]), str(r["label"]), str(r["budget"])) for r in sel},
                           key=lambda v: (order[v[0]], v[1], [int(t) for t in v[2].split() if t.isdigit()]))
         for m, label, budget in variants:
@@ -550,6 +566,10 @@ def report_fmnist_noniid(exp_dir: Path) -> str:
     rows = [s for d in sorted(exp_dir.iterdir()) if d.is_dir() and (s := summarise(d))] if exp_dir.exists() else []
     if not rows:
         return "\n".join([f"no finished runs in {exp_dir}", *_unreported(exp_dir)]) + "\n"
+    for r in rows:  # no noise column here: a run with other label noise is another setting, not another seed
+        settings = json.loads(str(r["config"]))
+        settings["label-noise"] = r["noise"]
+        r["config"] = json.dumps(dict(sorted(settings.items())))
     _separate_settings(rows, lambda r: (r["method"], r["schedule"]), field="schedule")
     _write_tables(exp_dir, rows)
     lines = ["| method | schedule | seeds | acc best (%) | acc final (%) | ECE final (%) | NLL final | wall s |",
@@ -604,7 +624,7 @@ def _plot_curves(exp_dir: Path, rows: list[dict[str, object]], group: str | None
     groups = sorted({r[group] for r in rows}) if group else [None]
     for g in groups:
         sel = [r for r in rows if group is None or r[group] == g]
-        several = len({r.get("budget") for r in sel if r["method"] != "fedavg"}) > 1
+        several = _several_budgets(sel)
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
         series: dict[str, list[list[dict[str, float]]]] = {}
         for r in sel:
@@ -700,7 +720,8 @@ def _plot_reliability(exp_dir: Path, rows: list[dict[str, object]], tag: str = "
 
     plt = _plt()
     for eps in sorted({r["noise"] for r in rows}):
-        sel = [r for r in rows if r["noise"] == eps and r["seed"] == min(x["seed"] for x in rows)]
+        lowest = min(x["seed"] for x in rows if x["noise"] == eps)  # of this noise level (the docstring's)
+        sel = [r for r in rows if r["noise"] == eps and r["seed"] == lowest]
         if not sel:
             continue
         fig, axes = plt.subplots(1, len(sel), figsize=(3.6 * len(sel), 3.6), squeeze=False)
@@ -744,7 +765,9 @@ def main(argv: list[str] | None = None) -> None:
     p1.add_argument("--noise", nargs="+", type=number_above(0.0, allow_low=True), default=[0.4, 0.0, 0.1, 0.2])
     p1.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p2 = sub.add_parser("fmnist-noniid", help="10 clients, Dirichlet(0.3), the three schedules")
-    p2.add_argument("--methods", nargs="+", default=["fedgvi"], choices=list(METHODS))
+    # not the one-client references (gvi1, vi1): this experiment sets ten clients
+    p2.add_argument("--methods", nargs="+", default=["fedgvi"],
+                    choices=[m for m in METHODS if METHODS[m].get("num-clients") != 1])
     p2.add_argument("--schedules", nargs="+", default=["synchronous", "sequential", "asynchronous"])
     p2.add_argument("--seeds", nargs="+", type=int, default=[0])
     p2.add_argument("--rounds", type=int, default=10)

@@ -161,6 +161,9 @@ def cli(monkeypatch, capsys):
     (["-c", "lr"], "-c 'lr': expected space-separated key=value pairs"),
     (["-c", "partitioner=iid"], "is not a TOML value"),
     (["-c", "lr=-1"], "lr: Input should be greater than 0"),
+    # two runs of one scenario wrote one directory at once (interleaved metrics.jsonl, 9 'applied' of 6)
+    (["--attacks", "scale:10,scale:10"], "--attacks: listed twice: scale:10"),
+    (["--aggregators", "median,median"], "--aggregators: listed twice: median"),
 ])
 def test_bad_options_are_argparse_errors_before_anything_runs(cli, argv, says):
     """Before: ValueError / TOMLDecodeError tracebacks (experiment_config outside the try, run_experiment re-raised

@@ -100,7 +100,7 @@ def test_report_table_has_mean_and_sample_std_over_seeds(tmp_path, monkeypatch):
     # the plot legend uses the same split labels as the table
     rows = json.loads((tmp_path / "results.json").read_text())
     long_rows = [r for r in rows if r["rounds"] == 3]
-    assert sorted(E._shown_label(r, True) for r in long_rows) == [
+    assert sorted(E._shown_label(r, E._several_budgets(long_rows)) for r in long_rows) == [
         "FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 20 local epochs]",
         "FedGVI (GCE 0.8 + AR 2.5), loss weight 10 [<= 5 local epochs]"]
 
@@ -314,3 +314,63 @@ def test_reference_values_are_not_credited_to_the_paper():
     doc = (ROOT / "docs" / "RESULTS.md").read_text()
     assert "published = FedGVI paper" not in doc and "| published (best) |" not in doc
     assert "with 25 local epochs, reached 48.97" not in doc
+
+
+# review of the experiment tooling, 2026-11-28
+def test_noniid_report_never_averages_runs_of_other_label_noise(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    extra = {"num-clients": 10, "partitioner": "dirichlet"}
+    _fake_run(tmp_path, "fedgvi-synchronous-seed0", "fedgvi", 0.0, 0, [0.5, 0.80], [0.1, 0.1], **extra)
+    _fake_run(tmp_path, "fedgvi-synchronous-seed1", "fedgvi", 0.0, 1, [0.5, 0.82], [0.1, 0.1], **extra)
+    _fake_run(tmp_path, "fedgvi-synchronous-seed2-noise40", "fedgvi", 0.4, 2, [0.5, 0.40], [0.1, 0.1], **extra)
+    _fake_run(tmp_path, "fedgvi-synchronous-seed0-noise40", "fedgvi", 0.4, 0, [0.5, 0.42], [0.1, 0.1], **extra)
+    text = E.report_fmnist_noniid(tmp_path)  # was: one '3 seeds' cell, or a ValueError with seed 0 twice
+    assert "| synchronous [label-noise=0.0] | 2 | 81.00 ± 1.41 (2 seeds) |" in text, text
+    assert "| synchronous [label-noise=0.4] | 2 | 50.00 ± 0.00 (2 seeds) | 41.00 ± 1.41 (2 seeds) |" in text, text
+
+
+def test_noniid_refuses_the_one_client_references():
+    with pytest.raises(SystemExit):
+        E.main(["fmnist-noniid", "--methods", "gvi1", "--dry-run"])
+
+
+def test_fedavg_runs_of_other_budgets_get_their_own_labels(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    monkeypatch.setattr(E, "_plot_reliability", lambda *a: None)
+    plotted: list[str] = []
+    import matplotlib.axes
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, label=None, **k: plotted.append(label))
+    for seed in (0, 1):
+        for epochs, suffix in ((10, ""), (1, "-e1")):
+            _fake_run(tmp_path, f"fedavg-noise20-seed{seed}{suffix}", "fedavg", 0.2, seed,
+                      [0.5, 0.8 if epochs == 10 else 0.2], [0.1, 0.1], **{"fedavg-local-epochs": epochs})
+    text = E.report_fmnist_noise(tmp_path)
+    assert "| FedAvg [10 local epochs] | acc final | 80.00 ± 0.00 (2 seeds) |" in text, text
+    assert "| FedAvg [1 local epochs] | acc final | 20.00 ± 0.00 (2 seeds) |" in text, text
+    labels = {p for p in plotted if p}
+    assert {"FedAvg [1 local epochs] (n=2)", "FedAvg [10 local epochs] (n=2)"} <= labels, labels  # was 'FedAvg (n=4)'
+
+
+def test_a_null_metric_in_a_record_does_not_stop_the_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    monkeypatch.setattr(E, "_plot_reliability", lambda *a: None)
+    d = _fake_run(tmp_path, "pvi-noise20-seed0", "pvi", 0.2, 0, [0.5, 0.8, 0.7], [0.1, 0.05, 0.08])
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[1]["test-nll"] = None  # how results.py writes a NaN
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = E.summarise(d)  # was: TypeError in min(float, None), and the whole report lost
+    assert s["best-nll"] == pytest.approx(1 / 3) and s["best-accuracy"] == 0.8
+    assert "| PVI | acc final | 70.00 (1 seed) |" in E.report_fmnist_noise(tmp_path)
+
+
+def test_reliability_diagrams_use_the_lowest_seed_of_each_noise_level(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "IMG", tmp_path / "img")
+    (tmp_path / "img").mkdir()
+    drawn = []
+    monkeypatch.setattr(E, "_final_predictive", lambda run_dir, method: drawn.append(run_dir.name) or (
+        np.full((4, 2), 0.5), None, np.array([0, 1, 0, 1])))
+    rows = [{"noise": 0.2, "seed": 0, "run": "pvi-noise20-seed0", "method": "pvi", "label": "PVI"},
+            {"noise": 0.1, "seed": 1, "run": "pvi-noise10-seed1", "method": "pvi", "label": "PVI"}]
+    E._plot_reliability(tmp_path, rows)
+    assert drawn == ["pvi-noise10-seed1", "pvi-noise20-seed0"]  # was: nothing for 10 %, whose lowest seed is 1
