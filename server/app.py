@@ -72,6 +72,7 @@ def _prepare(cfg: RunConfig) -> tuple[RunConfig, Problem]:
         raise ConfigError(f"invalid environment: {err}") from None
     with _memory_attributed_to("model/hidden/family (the model's parameters and their Gaussian)"):
         problem = build_problem(cfg, data)
+    _check_likelihood_precision(cfg, problem, data)
     if cfg.resume:  # a missing or foreign checkpoint is a config error, found before any record is written
         from strategies.checkpoint import CheckpointMismatch, load_checkpoint
 
@@ -80,6 +81,40 @@ def _prepare(cfg: RunConfig) -> tuple[RunConfig, Problem]:
         except (FileNotFoundError, CheckpointMismatch) as err:
             raise ConfigError(f"invalid run config: resume: {err}") from None
     return cfg, problem
+
+
+#: the largest share of the dtype's largest float the likelihood's precision may take (the posterior adds the
+#: prior's and the other clients' to it, the cavity subtracts one)
+_PRECISION_HEADROOM = 2.0**-10
+
+
+def _check_likelihood_precision(cfg: RunConfig, problem: Problem, data) -> None:
+    """The Gaussian models' loss is quadratic in theta: the precision it adds, summed over the whole training set
+    (an upper bound for any client's), computed in float64, must stay well inside the dtype's range.  The config's
+    own bound on likelihood-sigma cannot see the data: float32 with sigma 1.1e-19 (just above that bound) and 60
+    points made the precision 5e39, inf in float32, and every client's conjugate update 'improper' in round 1."""
+    if cfg.model not in ("gaussian_location", "linear_regression") or not hasattr(problem.loss, "quadratic"):
+        return
+    import torch
+
+    f64 = torch.float64
+    x = torch.as_tensor(data.x_train, dtype=f64)
+    y = torch.as_tensor(data.y_train, dtype=f64)
+    mean = problem.prior.mean()  # the score-matching weight's reference point: the prior's mean will do here
+    reference = {k: v.to(f64) for k, v in mean.items()} if isinstance(mean, dict) else {"theta": mean.to(f64)}
+    try:
+        quad = problem.loss.quadratic(problem.model, x if x.numel() else None, y, reference)
+    except (ValueError, RuntimeError, TypeError):  # not this check's business: the run reports it where it arises
+        return
+    if quad is None:
+        return
+    top = float(quad.precision.abs().max()) if quad.precision.numel() else 0.0
+    limit = float(torch.finfo(getattr(torch, cfg.dtype)).max) * _PRECISION_HEADROOM
+    if not top <= limit:
+        raise ConfigError(f"invalid run config: likelihood-sigma: with these data the likelihood's precision reaches "
+                          f"{top:.3g} (sigma {cfg.likelihood_sigma:g}, {len(data.y_train)} training points), beyond "
+                          f"{limit:.3g}, the part of dtype {cfg.dtype}'s range left for the posterior: raise "
+                          "likelihood-sigma or use dtype float64")
 
 
 def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) -> PGVIStrategy:

@@ -537,3 +537,26 @@ def test_other_runtime_errors_of_prepare_are_not_taken_for_memory(monkeypatch):
     monkeypatch.setattr(server_app, "build_problem", boom)
     with pytest.raises(RuntimeError, match="something else"):
         prepare({"dataset": "breast_cancer"})
+
+
+@pytest.mark.parametrize("override", [
+    {"dtype": "float32", "model": "linear_regression", "dataset": "synthetic_linear_regression",
+     "likelihood-sigma": 1.1e-19},  # within the config's bound; with 180 points the precision is 1.6e40
+    {"dtype": "float64", "model": "linear_regression", "dataset": "synthetic_linear_regression",
+     "likelihood-sigma": 1.5e-154},
+    {"dtype": "float32", "model": "gaussian_location", "dataset": "synthetic_gaussian_location",
+     "loss": "score_matching", "likelihood-sigma": 1e-17},
+])
+def test_a_likelihood_precision_beyond_the_dtype_is_a_config_error(override):
+    # review of 2026-11-28: every client's conjugate update was 'improper' in round 1
+    msg = _config_error(override, via_prepare=True)
+    assert msg.startswith("invalid run config: likelihood-sigma: with these data the likelihood's precision"), msg
+
+
+@pytest.mark.parametrize("override", [
+    {"dtype": "float32", "model": "linear_regression", "dataset": "synthetic_linear_regression", "likelihood-sigma": 1e-6},
+    {"dtype": "float32", "model": "gaussian_location", "dataset": "synthetic_gaussian_location", "likelihood-sigma": 1e-3},
+    {"dtype": "float32", "model": "linear_regression", "dataset": "synthetic_linear_regression", "likelihood-sigma": 9e18},
+])
+def test_ordinary_likelihood_scales_still_prepare(override):
+    prepare(override)
