@@ -16,9 +16,9 @@ version decides alone, as before tags existed.
 
 Persisted, when a directory is given, as one ``<client-id>.npz`` (:meth:`ClientState.path_for`: an id with other
 characters than ``[A-Za-z0-9_.-]`` percent-encoded) written atomically (temp file + fsync + rename + directory
-fsync), so a SuperNode restart resumes where it was.  A file that cannot be read (torn by a bad disk, truncated, edited) is moved aside to ``<client-id>.npz.corrupt`` with a
-WARNING and the client starts from a fresh state (version 0): the server's next message then makes it ask for its
-ledger site (resync), as after a lost disk.
+fsync), so a SuperNode restart resumes where it was.  A file that cannot be read (torn by a bad disk, truncated,
+edited) is moved aside to ``<client-id>.npz.corrupt`` with a WARNING and the client starts from a fresh state
+(version 0): the server's next message then makes it ask for its ledger site (resync), as after a lost disk.
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ def cavity(posterior: GaussianFactor, site: GaussianFactor) -> GaussianFactor:
     if detail is None:
         return cav
     if _within_rounding_of_posterior(posterior, cav):
+        way_out = ("run with dtype float64" if posterior.dtype != torch.float64 else
+                   "a less vague prior (prior-variance) or data of a smaller scale")
         detail += (f"; there the cavity's precision is within {posterior.dtype}'s rounding of the posterior's: this "
                    "client's site holds nearly all of it (a vague prior, or this client's data dominating those "
-                   "directions), and the exact cavity, prior x the other sites, is lost in q's rounding: run with "
-                   "dtype float64")
+                   f"directions), and the exact cavity, prior x the other sites, is lost in q's rounding: {way_out}")
     raise ImproperDistributionError("cavity", detail)
 
 

@@ -4,7 +4,8 @@ Train message (server -> client), one per selected node:
   "posterior"  ArrayRecord  natural parameters of the current server posterior
   "site"       ArrayRecord  OPTIONAL: the server ledger's copy of this client's site (resync)
   "config"     ConfigRecord client-id, server-round, posterior-version, rho, site-version (-1 = unknown node),
-                            site-tag, has-site, posterior-layout (and site-layout with a site)
+                            site-tag, has-site, posterior-layout (and site-layout with a site), round-message
+                            (only on a later message to the client in the same round)
 Train reply (client -> server):
   "delta"      ArrayRecord  Delta natural parameters (absent when status != "ok")
   "metrics"    MetricRecord num-examples, conjugate, epochs, seconds; objective, best-epoch, local-seconds (an

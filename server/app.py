@@ -18,7 +18,7 @@ from common.evaluation import evaluate_posterior
 from common.problem import Problem, build_problem, load_clean_data, load_full_data, train_partition
 from common.runtime import configure_threads, flush_denormals_from_environment, subnormals_flushed
 from strategies.pgvi import PGVIStrategy
-from strategies.results import RoundRecorder
+from strategies.results import recorder_for
 
 app = ServerApp()
 
@@ -119,11 +119,7 @@ def _check_likelihood_precision(cfg: RunConfig, problem: Problem, data) -> None:
 
 def run_strategy(grid: Grid, cfg: RunConfig, problem: Problem, out_dir: Path) -> PGVIStrategy:
     data = load_full_data(cfg)
-    try:  # before round 1: a directory that cannot be created or written is the run config's output-dir
-        recorder = RoundRecorder(out_dir, cfg.to_flat())
-    except OSError as err:
-        raise ConfigError(f"invalid run config: output-dir: cannot write the run's records to {str(out_dir)!r}: "
-                          f"{type(err).__name__}: {err.strerror or err}") from None
+    recorder = recorder_for(out_dir, cfg.to_flat())
 
     def server_evaluate(q):  # held-out test set of the whole dataset
         with subnormals_flushed():  # on the evaluating thread, for this call (the process may be a test's)

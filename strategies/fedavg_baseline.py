@@ -28,7 +28,7 @@ from common.problem import ArraysSplit
 from common.protocol import FEDAVG_TRAIN_METRICS, METRICS
 from strategies.pgvi import AllClientsFailed, _finite_number, _last_line, _reply_text, _train_metric_problem
 from common.strict_json import dumps_json
-from strategies.results import RoundRecorder
+from strategies.results import recorder_for
 
 
 def _name_differences(got: set[str], expected: set[str]) -> str:
@@ -222,7 +222,7 @@ def run_fedavg(grid: Grid, cfg: RunConfig, data: ArraysSplit, out_dir: str | Pat
     (``ConfigError`` for a model that is not a classifier, before anything is written)."""
     hidden = baseline_hidden_sizes(cfg)
     out = Path(out_dir)
-    recorder = RoundRecorder(out, {**cfg.to_flat(), "method": "fedavg"})
+    recorder = recorder_for(out, {**cfg.to_flat(), "method": "fedavg"})
     torch.manual_seed(cfg.seed)
     model = DeterministicMLP(data.x_train.shape[1], hidden, data.num_classes)
     history: list[dict[str, float]] = []

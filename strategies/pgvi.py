@@ -598,16 +598,8 @@ class PGVIStrategy(Strategy):
         run_sent = run_failed = run_applied = 0  # this process's rounds (a resumed run counts afresh)
         try:
             self._record_applied_round(grid, result)
+            self._record_open_round_past_the_end(grid, num_rounds, result)
             first_round = self.round_completed + 1
-            if first_round > num_rounds and self.history and self.history[-1]["version"] != self.state.version:
-                # resumed with fewer num-server-rounds than the open round, whose applied updates (a sequential
-                # round's first visits, an asynchronous round's arrivals) are in the state: recorded, as the
-                # synchronous schedule's applied round is, so that the last row describes the posterior written
-                log(INFO, "round %d: %d update(s) of it were applied before the restart and no round is left to run "
-                    "(num-server-rounds %d); recording it", first_round,
-                    self.state.version - int(self.history[-1]["version"]), num_rounds)
-                result.train_metrics_clientapp[first_round] = MetricRecord(RoundStats().as_metrics())
-                self._close_round(first_round, RoundStats(), grid, result, do_client_eval=True)
             for rnd in range(first_round, num_rounds + 1):
                 self._await_clients(grid, rnd)
                 self._rng_round = (rnd, self.rng.getstate())
@@ -658,6 +650,20 @@ class PGVIStrategy(Strategy):
         stats = RoundStats()
         result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
         self._close_round(rnd, stats, grid, result, do_client_eval=True)
+
+    def _record_open_round_past_the_end(self, grid: Grid, num_rounds: int, result: Result) -> None:
+        """Resumed with fewer ``num-server-rounds`` than the open round, whose applied updates (a sequential round's
+        first visits, an asynchronous round's arrivals) are in the state: that round is recorded, as the synchronous
+        schedule's applied round is (:meth:`_record_applied_round`), so that the last row describes the posterior
+        the run writes."""
+        rnd = self.round_completed + 1
+        if rnd <= num_rounds or not self.history or self.history[-1]["version"] == self.state.version:
+            return
+        log(INFO, "round %d: %d update(s) of it were applied before the restart and no round is left to run "
+            "(num-server-rounds %d); recording it", rnd, self.state.version - int(self.history[-1]["version"]),
+            num_rounds)
+        result.train_metrics_clientapp[rnd] = MetricRecord(RoundStats().as_metrics())
+        self._close_round(rnd, RoundStats(), grid, result, do_client_eval=self.cfg.schedule != "asynchronous")
 
     def sampling_state_to_checkpoint(self) -> object:
         """The sampling RNG state a checkpoint written now must hold: the state before the sampling of the first round
@@ -861,6 +867,7 @@ class PGVIStrategy(Strategy):
         clients at most ``round-timeout-s`` x ``num-server-rounds`` (the server's own work, closing rounds and
         waiting for clients to connect, is not counted): at that deadline it ends with a warning, as a run with fewer
         rounds completed than planned (``rounds-completed`` in the summary), not as a failure."""
+        self._record_open_round_past_the_end(grid, num_rounds, result)
         per_round = max(1, len(self._known_nodes(grid)))  # outcomes that close the round: one per usable client
         inflight: dict[str, tuple[int, float, int]] = {}  # message id -> (node id, sent time, posterior version)
         busy: set[int] = set()

@@ -12,6 +12,7 @@ import numpy as np
 from flwr.supercore import log
 
 from common.atomic_io import atomic_write
+from common.config import ConfigError
 from common.families import GaussianFactor
 from common.strict_json import dumps_json
 
@@ -38,6 +39,16 @@ _TABLE_COLUMNS = [
 # scripts/experiments.py, from the final model).  ``summary.json`` first: its presence means the others are complete.
 # The checkpoint (strategies/checkpoint.py) is not one of them: a run may resume from its own directory.
 RESULT_FILES = ("summary.json", "metrics.csv", "posterior.npz", "sites.npz", "model.npz", "rescored.json")
+
+
+def recorder_for(out_dir: str | Path, run_config: dict) -> RoundRecorder:
+    """The run's :class:`RoundRecorder`, made before round 1: a directory that cannot be created or written is the
+    run config's ``output-dir`` (:class:`~common.config.ConfigError` naming it), not an ``OSError`` traceback."""
+    try:
+        return RoundRecorder(out_dir, run_config)
+    except OSError as err:
+        raise ConfigError(f"invalid run config: output-dir: cannot write the run's records to {str(out_dir)!r}: "
+                          f"{type(err).__name__}: {err.strerror or err}") from None
 
 
 class RoundRecorder:

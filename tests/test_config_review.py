@@ -560,3 +560,14 @@ def test_a_likelihood_precision_beyond_the_dtype_is_a_config_error(override):
 ])
 def test_ordinary_likelihood_scales_still_prepare(override):
     prepare(override)
+
+
+def test_the_fedavg_baseline_refuses_an_output_dir_it_cannot_write_naming_the_key(tmp_path):
+    # a final review found the PGVI fix had left FedAvg's run_fedavg with the NotADirectoryError traceback
+    from common.problem import load_full_data
+    from strategies.fedavg_baseline import run_fedavg
+
+    (tmp_path / "afile").write_text("")
+    cfg = parse_run_config({"dataset": "digits", "model": "bnn", "hidden": "8", "num-server-rounds": 1})
+    with pytest.raises(ConfigError, match=r"^invalid run config: output-dir: cannot write .*NotADirectoryError"):
+        run_fedavg(None, cfg, load_full_data(cfg), tmp_path / "afile" / "out")

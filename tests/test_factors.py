@@ -410,3 +410,11 @@ def test_a_genuinely_improper_cavity_does_not_blame_rounding(family):
     with pytest.raises(ImproperDistributionError) as info:
         cavity(q, site)
     assert "rounding" not in str(info.value), str(info.value)
+
+
+def test_a_float64_cavity_lost_to_rounding_does_not_suggest_float64():
+    f64 = torch.float64
+    site = MeanFieldGaussian({"w": torch.zeros(2, dtype=f64)}, {"w": torch.full((2,), -0.5e17, dtype=f64)})
+    with pytest.raises(ImproperDistributionError, match="float64's rounding .* less vague prior") as info:
+        cavity(site, site)  # q's precision equals the site's: the prior's 1e-17 share was rounded away
+    assert "run with dtype float64" not in str(info.value)

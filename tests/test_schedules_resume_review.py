@@ -143,3 +143,19 @@ def test_a_sequential_resume_with_fewer_rounds_records_its_partly_applied_round(
     resumed.start(grid)
     assert [int(r["round"]) for r in resumed.history] == [0, 1, 2, 3]  # was [0, 1, 2], the last at version 6
     assert resumed.history[-1]["version"] == resumed.state.version == 8
+
+
+@pytest.mark.parametrize("kill_at", [6, 7])
+def test_an_asynchronous_resume_with_fewer_rounds_records_its_partly_applied_round(tmp_path, kill_at):
+    # the asynchronous twin of the test above (a final review found the first fix covered only the sequential and
+    # synchronous schedules): killed inside round 2 with some of its updates applied, resumed with 1 round
+    raw = {**BASE, "schedule": "asynchronous", "num-server-rounds": 3}
+    cfg = parse_run_config(raw)
+    grid = InProcessGrid(client_app, _nodes(cfg), raw)
+    killed = _killed_after(cfg, raw, grid, tmp_path / "live", kill_at)
+    assert killed.round_completed == 1 and killed.state.version > killed.history[-1]["version"]
+    raw2 = {**raw, "num-server-rounds": 1}
+    resumed = PGVIStrategy(build_problem(parse_run_config(raw2)), poll_interval=0.0, resume_from=tmp_path / "live")
+    resumed.start(grid)
+    assert [int(r["round"]) for r in resumed.history] == [0, 1, 2]  # was [0, 1], the last at an older version
+    assert resumed.history[-1]["version"] == resumed.state.version == killed.state.version
