@@ -297,11 +297,11 @@ def _metric_number(value: object) -> float | None:
     return None if math.isnan(x) else x
 
 
-def _weighted_mean(pairs: list[tuple[float, float]]) -> float:
-    """``sum n t / sum n`` over ``(n, t)`` pairs (``n > 0``), without overflowing where the mean itself does not:
-    ``max|t| * sum (n / N)(t / max|t|)`` (``n t`` alone overflowed at ``t ~ 1e306``, and 1e308 beside -1e308 pooled
-    to inf - inf = NaN).  Infinite terms give the infinity of their sign (the caller treats both signs at once as
-    undefined)."""
+def _power_mean(pairs: list[tuple[float, float]], power: int) -> float:
+    """``(sum n t^power / sum n)^(1/power)`` over ``(n, t)`` pairs (``n > 0``), as ``max|t| * (sum (n / N)(t /
+    max|t|)^power)^(1/power)``: without overflowing where the mean itself does not (``n t`` alone overflowed at
+    ``t ~ 1e306``, 1e308 beside -1e308 pooled to inf - inf = NaN, and squaring a finite RMSE of 1e200 gave inf).
+    Infinite terms give the infinity of their sign (the caller treats both signs at once as undefined)."""
     infinite = [t for _, t in pairs if math.isinf(t)]
     if infinite:
         return infinite[0]
@@ -309,20 +309,19 @@ def _weighted_mean(pairs: list[tuple[float, float]]) -> float:
     if scale == 0.0:
         return 0.0
     total = math.fsum(n for n, _ in pairs)
-    return scale * math.fsum((n / total) * (t / scale) for n, t in pairs)
+    mean = math.fsum((n / total) * (t / scale) ** power for n, t in pairs)
+    return scale * (mean if power == 1 else math.sqrt(mean) if power == 2 else mean ** (1.0 / power))
+
+
+def _weighted_mean(pairs: list[tuple[float, float]]) -> float:
+    """``sum n t / sum n``: :func:`_power_mean` of power 1."""
+    return _power_mean(pairs, 1)
 
 
 def _root_mean_square(pairs: list[tuple[float, float]]) -> float:
-    """``sqrt(sum n r^2 / sum n)`` over ``(n, r)`` pairs (``n > 0``, ``r >= 0``: per-client RMSEs), the RMSE of the
-    union, as ``max r * sqrt(sum (n / N)(r / max r)^2)``: squaring first overflowed a finite 1e200 to inf."""
-    infinite = [r for _, r in pairs if math.isinf(r)]
-    if infinite:
-        return infinite[0]
-    scale = max(abs(r) for _, r in pairs)
-    if scale == 0.0:
-        return 0.0
-    total = math.fsum(n for n, _ in pairs)
-    return scale * math.sqrt(math.fsum((n / total) * (r / scale) ** 2 for n, r in pairs))
+    """``sqrt(sum n r^2 / sum n)`` over per-client RMSEs ``r``, the RMSE of the union: :func:`_power_mean` of
+    power 2."""
+    return _power_mean(pairs, 2)
 
 
 def _pool_client_metrics(means: dict[str, float], n_total: float, bins: dict[str, float], all_binned: bool,
