@@ -840,12 +840,27 @@ def _polish(q: VariationalGaussian, obj: _Objective, config: LocalGVIConfig) -> 
         tolerance_grad=config.polish_tolerance_grad, tolerance_change=1e-16, line_search_fn="strong_wolfe",
     )
 
+    outside: list[float] = []  # the objective at the start: a trial outside the domain is scored above it
+
     def closure() -> Tensor:
         lbfgs.zero_grad(set_to_none=True)
-        value = obj.full_expected_loss(q, None) + obj.divergence_term(q)
+        try:
+            value = obj.full_expected_loss(q, None) + obj.divergence_term(q)
+        except DivergenceUndefinedError:
+            # a line-search trial left the divergence's domain (Alpha-Renyi near its bound): scored as a finite value
+            # above the start's with a zero gradient, so that the strong-Wolfe search brackets and shrinks the step
+            # instead of abandoning the polish (which returned Adam's unfinished state: 9e-4 off the minimiser at
+            # alpha -100 after 555 domain cuts)
+            if not outside:
+                raise
+            for p in q.parameters():
+                p.grad = torch.zeros_like(p)
+            return torch.tensor(outside[0] + 1.0 + abs(outside[0]), dtype=torch.float64)
         if not bool(torch.isfinite(value)):
             raise NonFiniteError("non-finite objective in the L-BFGS polish")
         value.backward()
+        if not outside:
+            outside.append(float(value.detach()))
         return value
 
     try:
