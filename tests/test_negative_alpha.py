@@ -55,7 +55,9 @@ def _oracle(model, y, cavity, alpha: float) -> tuple[torch.Tensor, torch.Tensor]
     return mu.detach(), (c + torch.exp(t)).detach()
 
 
-@pytest.mark.parametrize("alpha", [-0.5, -2.0, -10.0])
+# alpha -100 with the strong data: the variance ends 0.09 % above the bound after 555 domain cuts, and the L-BFGS polish
+# used to be abandoned at its first out-of-domain line-search trial (Adam's state returned, 9e-4 off the minimiser)
+@pytest.mark.parametrize("alpha", [-0.5, -2.0, -10.0, -100.0])
 @pytest.mark.parametrize("sigma, n", [(2.0, 10), (0.5, 50)])  # weak data; data that pull q onto the lower bound
 def test_the_local_step_reaches_the_minimiser_inside_the_domain(alpha, sigma, n):
     g = torch.Generator().manual_seed(0)
@@ -67,6 +69,7 @@ def test_the_local_step_reaches_the_minimiser_inside_the_domain(alpha, sigma, n)
     res = local_gvi(model, make_loss("nll"), div, cavity, None, y, cavity, cfg)
     mu, var = _oracle(model, y, cavity, alpha)
     assert bool((var > -alpha / (1.0 - alpha)).all())
+    assert res.polished or alpha != -100.0 or sigma != 0.5  # there only the polish reaches the minimiser
     torch.testing.assert_close(res.posterior.mean()["theta"], mu, rtol=0, atol=1e-6)
     torch.testing.assert_close(res.posterior.variance()["theta"], var, rtol=1e-6, atol=0)
 
@@ -100,19 +103,3 @@ def test_a_run_with_negative_alpha_on_client_and_server_applies_every_update(fam
     assert max(float(np.abs(post[k] - prior[k]).max()) for k in post) > 1e-3
     assert math.isfinite(float(make_divergence("alpha_renyi", alpha=-2.0)(s.state.posterior, build_problem(cfg).prior)))
 
-
-def test_the_polish_reaches_a_minimiser_near_the_lower_bound():
-    # alpha -100, data pulling q onto the bound (variance 0.09 % above it, 555 domain cuts): the L-BFGS polish used
-    # to be abandoned at its first out-of-domain line-search trial, returning Adam's state 9e-4 off the minimiser
-    alpha = -100.0
-    g = torch.Generator().manual_seed(0)
-    model = make_model("gaussian_location", dim=2, sigma=0.5)
-    y = 0.3 + 0.5 * torch.randn(50, 2, generator=g, dtype=F64)
-    cavity = _mf([0.0, 0.0], [1.0, 1.0])
-    div = make_divergence("alpha_renyi", alpha=alpha)
-    cfg = LocalGVIConfig(epochs=2000, lr=0.05, patience=None, init="posterior", polish=True, seed=0)
-    res = local_gvi(model, make_loss("nll"), div, cavity, None, y, cavity, cfg)
-    mu, var = _oracle(model, y, cavity, alpha)
-    assert res.domain_cuts > 0 and res.polished
-    torch.testing.assert_close(res.posterior.mean()["theta"], mu, rtol=0, atol=1e-6)
-    torch.testing.assert_close(res.posterior.variance()["theta"], var, rtol=1e-6, atol=0)
