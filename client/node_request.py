@@ -104,7 +104,7 @@ def node_client_id(node_config: Mapping[str, Scalar]) -> str:
 
 def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar]) -> tuple[RunConfig, int, str]:
     """The validated run config as this node runs it (node-level ``batch-size``), its partition and client id
-    (checked: ``strategies.codec.client_id_problem``).
+    (checked: ``common.protocol.client_id_problem``).
 
     Every node-level value a train or evaluate message would refuse is refused here, in the identity query before
     round 1, with ``PGVIError`` naming the node-config key: ``partition-id`` and ``num-partitions`` are whole
@@ -142,7 +142,7 @@ def node_run_config(run_config: dict[str, Scalar], node_config: dict[str, Scalar
     client_id = node_client_id(node_config)
     # the id keys the server's ledger and checkpoint: a node with an id the server would refuse fails here, in its
     # identity query before round 1, with the reason, instead of never being identified
-    from strategies.codec import client_id_problem
+    from common.protocol import client_id_problem
 
     if (why := client_id_problem(client_id)) is not None:
         raise PGVIError(f"node config client-id {why}")

@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from common.atomic_io import atomic_save_npz, load_npz
-from common.protocol import UNKNOWN_VERSION
+from common.protocol import UNKNOWN_VERSION, client_id_problem
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")  # as the file name itself (length: client_id_problem)
 #: the longest percent-encoded client id used as a file name as it is (then its SHA-256)
 _MAX_NAME = 200
 #: What reading a torn or foreign state file can raise: the zip layer (BadZipFile, EOFError, OSError), numpy's .npy
@@ -142,9 +142,8 @@ class ClientState:
         name has a ``%`` or ``~``, so it never meets a plain id's), or, if that is longer than :data:`_MAX_NAME`
         characters, ``%sha256-<hex of the UTF-8 id>``: a file name without a separator, within the usual 255-byte
         limit."""
-        if not isinstance(client_id, str) or not client_id or len(client_id) > 128 or not client_id.isprintable():
-            raise ValueError(f"client-id must be a non-empty printable string of at most 128 characters, got "
-                             f"{client_id[:40] if isinstance(client_id, str) else client_id!r}")
+        if (why := client_id_problem(client_id)) is not None:  # the node's own rule: what it refuses has no file
+            raise ValueError(f"client-id {why}")
         if _SAFE_ID.match(client_id):
             return Path(state_dir) / f"{client_id}.npz"
         name = urllib.parse.quote(client_id, safe="")

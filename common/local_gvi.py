@@ -635,7 +635,7 @@ def _select_path(obj: _Objective, q: VariationalGaussian, config: LocalGVIConfig
         quad = obj.loss.quadratic(obj.model, None if obj.x is None else obj.x.to(f64), obj.y.to(f64),
                                   {k: v.to(f64) for k, v in obj.reference_theta.items()})
         if quad is not None:
-            obj.quadratic = QuadraticLoss(quad.precision.to(f64), quad.shift.to(f64), quad.constant, quad.name)
+            obj.quadratic = quad
             return "closed_form"
     if config.quadrature_points > 0:
         dim = q.flat_dim()

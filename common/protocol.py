@@ -32,6 +32,10 @@ version but another tag drops it and asks for its site (status "resync"); an emp
 to the version, as before tags existed (common/client_state.py).
 """
 
+from __future__ import annotations
+
+import reprlib
+
 POSTERIOR = "posterior"
 SITE = "site"
 DELTA = "delta"
@@ -53,3 +57,38 @@ MAX_TAG_CHARS = 64  # a longer (or non-string) update-tag makes a reply malforme
 # The FedAvg baseline (client/fedavg_app.py -> strategies/fedavg_baseline.py): the keys of a train reply's one
 # MetricRecord ("metrics"), exactly these; its one ArrayRecord ("arrays") holds the model's arrays by name
 FEDAVG_TRAIN_METRICS = ("num-examples", "train-loss", "client-seconds", "epochs")
+
+
+#: The longest client id a node may have.
+MAX_CLIENT_ID_CHARS = 128
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxtuple = _SHORT.maxlist = 8
+
+
+def short_repr(value: object) -> str:
+    """A peer's name or shape in an error message, cut to a few dozen characters (messages are logged and
+    checkpointed)."""
+    return _SHORT.repr(value)
+
+
+def client_id_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a node's ``client-id``, or ``None`` if it can: a non-empty string of at most
+    :data:`MAX_CLIENT_ID_CHARS` printable characters (``str.isprintable``: no NUL, control, line-separator or
+    unpaired surrogate characters, but any letter, digit, punctuation or space).
+
+    The id keys the server's ledger and names the client's arrays in every checkpoint (``site|<id>|<array>``, a zip
+    member name): a NUL cut the member name short (every checkpoint unloadable) and an id of more than 65,535
+    bytes made the first checkpoint raise; it is also written into logs, where a newline would forge a line.  Checked
+    by the node (``client.node_request.node_run_config``) and by the server on the node's identity reply.  The
+    message quotes the value cut short."""
+    if not isinstance(value, str):
+        return f"must be a string, not {type(value).__name__}"
+    if not value:
+        return "must not be empty"
+    if len(value) > MAX_CLIENT_ID_CHARS:
+        return f"has {len(value)} characters, more than {MAX_CLIENT_ID_CHARS}: {short_repr(value)}"
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        return f"{short_repr(value)} holds the non-printable character {bad!r} (U+{ord(bad):04X})"
+    return None

@@ -8,12 +8,13 @@ from contextlib import contextmanager
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
+import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from client import object_pulls
-from common.config import ConfigError, RunConfig, parse_run_config
+from common.config import REGRESSION_MODELS, ConfigError, RunConfig, parse_run_config
 from common.evaluation import evaluate_posterior
 from common.problem import Problem, build_problem, load_clean_data, load_full_data, train_partition
 from common.runtime import configure_threads, flush_denormals_from_environment, subnormals_flushed
@@ -93,10 +94,8 @@ def _check_likelihood_precision(cfg: RunConfig, problem: Problem, data) -> None:
     (an upper bound for any client's), computed in float64, must stay well inside the dtype's range.  The config's
     own bound on likelihood-sigma cannot see the data: float32 with sigma 1.1e-19 (just above that bound) and 60
     points made the precision 5e39, inf in float32, and every client's conjugate update 'improper' in round 1."""
-    if cfg.model not in ("gaussian_location", "linear_regression") or not hasattr(problem.loss, "quadratic"):
+    if cfg.model not in REGRESSION_MODELS:
         return
-    import torch
-
     f64 = torch.float64
     x = torch.as_tensor(data.x_train, dtype=f64)
     y = torch.as_tensor(data.y_train, dtype=f64)

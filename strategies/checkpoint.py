@@ -21,7 +21,7 @@ that is not a readable checkpoint of this run (foreign config, damaged header or
 
 A client's arrays are stored as ``site|<client id>|<array name>`` (zip member names): array names never hold ``|``,
 so the id is what lies between the first and the last ``|``; client ids are bounded printable strings
-(``strategies.codec.client_id_problem``, checked when a node identifies itself).
+(``common.protocol.client_id_problem``, checked when a node identifies itself).
 """
 
 from __future__ import annotations

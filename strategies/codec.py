@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import reprlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,6 +23,7 @@ from flwr.app import Array, ArrayRecord
 from typing import TYPE_CHECKING
 
 from common.errors import ShapeMismatchError
+from common.protocol import short_repr as _short
 
 if TYPE_CHECKING:  # the ClientApp imports this module; it must not pull in torch
     from common.families import GaussianFactor
@@ -36,42 +36,7 @@ MAX_LAYOUT_CHARS = 1 << 20
 MAX_TENSORS = 1 << 14
 MAX_SCALARS = 1 << 31
 MAX_DIMS = 32
-#: The longest client id a node may have (the limit a client's state file name already has, common.client_state).
-MAX_CLIENT_ID_CHARS = 128
 _NATIVE_FLOATS = (np.dtype("<f4"), np.dtype("<f8"))
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 60
-_SHORT.maxtuple = _SHORT.maxlist = 8
-
-
-def _short(value: object) -> str:
-    """A peer's name or shape in an error message, cut to a few dozen characters (messages are logged and
-    checkpointed)."""
-    return _SHORT.repr(value)
-
-
-def client_id_problem(value: object) -> str | None:
-    """Why ``value`` cannot be a node's ``client-id``, or ``None`` if it can: a non-empty string of at most
-    :data:`MAX_CLIENT_ID_CHARS` printable characters (``str.isprintable``: no NUL, control, line-separator or
-    unpaired surrogate characters, but any letter, digit, punctuation or space).
-
-    The id keys the server's ledger and names the client's arrays in every checkpoint (``site|<id>|<array>``, a zip
-    member name): a NUL cut the member name short (every checkpoint unloadable) and an id of more than 65,535
-    bytes made the first checkpoint raise; it is also written into logs, where a newline would forge a line.  Checked
-    by the node (``client.node_request.node_run_config``) and by the server on the node's identity reply.  The
-    message quotes the value cut short."""
-    if not isinstance(value, str):
-        return f"must be a string, not {type(value).__name__}"
-    if not value:
-        return "must not be empty"
-    if len(value) > MAX_CLIENT_ID_CHARS:
-        return f"has {len(value)} characters, more than {MAX_CLIENT_ID_CHARS}: {_short(value)}"
-    if not value.isprintable():
-        bad = next(c for c in value if not c.isprintable())
-        return f"{_short(value)} holds the non-printable character {bad!r} (U+{ord(bad):04X})"
-    return None
-
-
 def layout_key(record_name: str) -> str:
     """The ConfigRecord key that carries the layout of the packed record sent under ``record_name``."""
     return f"{record_name}-layout"

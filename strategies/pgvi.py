@@ -35,7 +35,7 @@ whose client id is not the one its node gave is not charged either: the node is 
 SuperNode restarted with another ``client-id`` keeps its node id under SuperNode authentication).
 
 Nodes are identified by a ``query`` message; the ``client-id`` a node answers must be a printable string of at
-most 128 characters (:func:`strategies.codec.client_id_problem`: it keys the ledger and names the client's arrays in
+most 128 characters (:func:`common.protocol.client_id_problem`: it keys the ledger and names the client's arrays in
 every checkpoint).  A node that does not identify itself is asked again only after a backoff (30 s doubling to
 10 min), so a silent or misconfigured node cannot stall every round; malformed identity or evaluate replies are
 ignored with a warning and never stop the server.  Every string of a reply that goes into a rejection's reason or a
@@ -75,9 +75,10 @@ from common.server_gvi import ServerGVIStep
 from common.families import GaussianFactor
 from common.metrics import bin_sum_key, ece_from_bin_sums
 from common.problem import Problem
+from common.protocol import client_id_problem, short_repr as _short
 from strategies.checkpoint import (RESUME_TEMP_MIN_AGE_S, load_checkpoint, remove_stale_temp_checkpoints,
                                    save_checkpoint)
-from strategies.codec import _short, arrays_to_record, client_id_problem, factor_to_record, layout_key, record_to_factor
+from strategies.codec import arrays_to_record, factor_to_record, layout_key, record_to_factor
 
 ServerEvaluate = Callable[[GaussianFactor], dict[str, float]]
 T = TypeVar("T")
@@ -594,7 +595,7 @@ class PGVIStrategy(Strategy):
         pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgvi-evaluate") if self.pipelines_evaluation()
                 else None)
         self._failing = set()
-        run_sent = run_failed = run_applied = 0  # this process's rounds (a resumed run counts afresh)
+        run_sent = run_failed = 0  # this process's rounds (a resumed run counts afresh)
         try:
             self._record_applied_round(grid, result)
             self._record_open_round_past_the_end(grid, num_rounds, result)
@@ -610,13 +611,13 @@ class PGVIStrategy(Strategy):
                 result.train_metrics_clientapp[rnd] = MetricRecord(stats.as_metrics())
                 failure = self._progress_failure(rnd, stats, grid)
                 run_sent, run_failed = run_sent + stats.sent, run_failed + stats.failed
-                run_applied += stats.applied
-                if (failure is None and rnd == num_rounds and run_sent and not run_applied and run_failed >= run_sent
+                if (failure is None and rnd == num_rounds and run_sent and run_failed >= run_sent
                         and self.state.version == 0):
                     # fraction-train < 1: the sampled clients may never have covered every client, so no round
                     # stopped the run; a run whose every message failed still ends as a failure, not "completed".
-                    # A resumed run counts its messages afresh, but the checkpoint's applied updates count too (state
-                    # version > 0): its uninterrupted twin applied them and completed
+                    # Nothing applied, by this process or before a restart: the state's version is still 0 (a
+                    # resumed run counts its messages afresh; its uninterrupted twin applied the checkpoint's
+                    # updates and completed)
                     failure = (f"round {rnd}: no update was applied in rounds {first_round}-{rnd}: all {run_sent} "
                                f"client messages failed (last reason: {self._last_failure})")
                 if pool is not None and failure is None:

@@ -125,7 +125,7 @@ def test_a_node_accepts_a_bounded_printable_client_id(good):
 
 
 def test_client_id_problem_names_what_is_wrong():
-    from strategies.codec import client_id_problem
+    from common.protocol import client_id_problem
 
     assert client_id_problem(5) == "must be a string, not int"
     assert client_id_problem("") == "must not be empty"
@@ -135,7 +135,7 @@ def test_client_id_problem_names_what_is_wrong():
 
 
 def test_every_accepted_client_id_survives_a_checkpoint(tmp_path):
-    from strategies.codec import client_id_problem
+    from common.protocol import client_id_problem
 
     prior, delta = _ckpt_problem()
     ids = ["a", "a|x", "|c", "b|", "Ünïcode 😀", "x" * 128, "/abs/path", "..", "back\\slash", "q'\"", "ends.npy",

@@ -16,7 +16,7 @@ from common.config import parse_run_config
 from common.errors import PGVIError, ScaleFloorError
 from common.problem import build_problem, client_shard
 from common.variational import variational_for
-from strategies.codec import client_id_problem
+from common.protocol import client_id_problem
 from strategies.inprocess import InProcessGrid
 
 IDS = ["site 3", "Hôpital-3", "site:3", "a/b", "../x", "%41", "~", "é" * 128, "x" * 128]
