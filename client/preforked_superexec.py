@@ -54,7 +54,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from client import fab_cache, object_pulls
@@ -80,10 +79,11 @@ PRELOAD: tuple[str, ...] = (
 )
 #: After this many failed fork requests in a row, every later ClientApp is started as a subprocess.
 MAX_CONSECUTIVE_FAILURES = 3
-#: The project's top-level packages (the directories with an ``__init__.py`` beside this module's package):
-#: removed from ``sys.modules`` in the child, see :func:`_forget_own_packages`.
-_PROJECT_ROOT = Path(__file__).resolve().parents[1]
-_OWN_PACKAGES = frozenset(p.name for p in _PROJECT_ROOT.iterdir() if (p / "__init__.py").is_file())
+#: The project's top-level packages, those the FAB and the wheel carry (``[tool.hatch.build.targets.wheel]
+#: packages`` in pyproject.toml): removed from ``sys.modules`` in the child, see :func:`_forget_own_packages`.  A
+#: fixed list, not "every package beside ``client/``": installed, that directory is site-packages, and the child
+#: dropped flwr, numpy and grpc too, whose re-import numpy refuses ("cannot load module more than once").
+_OWN_PACKAGES = frozenset({"client", "common", "server", "strategies"})
 
 try:  # guarded: with another Flower, main() still runs plain flower_superexec()
     from flwr.supercore.constant import (

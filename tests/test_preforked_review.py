@@ -207,3 +207,31 @@ def test_unknown_launches_count_toward_turning_forking_off(probe, popen, caplog,
     assert ex.launch(spec) == LaunchResult.accepted() and popen == [pf.clientapp_argv(spec)]
     for i in range(pf.MAX_CONSECUTIVE_FAILURES):
         assert len(_ran(out, f"u{i}")) == 1
+
+
+def test_the_packages_a_forked_clientapp_forgets_are_the_projects_own_not_its_neighbours(tmp_path):
+    """Installed (``pip install .``, the image), ``client/`` sits in site-packages beside flwr, numpy and grpc: a
+    child that forgot "every package beside client/" re-imported numpy, which refuses ("cannot load module more
+    than once per process"), and every ClientApp of the node failed.  The set is the wheel's package list."""
+    import shutil
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    wheel = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert pf._OWN_PACKAGES == frozenset(wheel["packages"])
+    # the module imported from a site-packages-like directory: client/ and common/ beside a third-party package
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("client", "common"):  # copies: a symlink would resolve to the checkout
+        shutil.copytree(root / name, site / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "third_party_pkg").mkdir()
+    (site / "third_party_pkg" / "__init__.py").write_text("")
+    out = subprocess.run([sys.executable, "-c", "from client import preforked_superexec as p; "
+                          "print(','.join(sorted(p._OWN_PACKAGES)))"],
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["client,common,server,strategies"]
