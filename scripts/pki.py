@@ -294,6 +294,23 @@ def _load_cert(path: Path) -> x509.Certificate:
         raise PkiError(f"{path}: not a readable PEM certificate ({err})") from None
 
 
+def _with_existing_sans(cert_p: Path, dns: list[str], ips: list[str], say) -> tuple[list[str], list[str]]:
+    """``dns`` and ``ips`` plus the names of the certificate already in ``cert_p`` (none if it is missing, cannot
+    be parsed or has no subjectAltName).  A certificate issued with ``--san fl.example.org`` and renewed by a run
+    without it (``--supernodes 4`` to add a node, an expiring certificate) lost that name, and every client that
+    dials it failed its TLS check; ``--force`` starts from the names given."""
+    try:
+        san = _load_cert(cert_p).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, PkiError, x509.ExtensionNotFound):
+        return dns, ips
+    have_dns, have_ips = {d.lower() for d in dns}, set(ips)
+    kept_dns = [d for d in san.get_values_for_type(x509.DNSName) if d.lower() not in have_dns]
+    kept_ips = [str(i) for i in san.get_values_for_type(x509.IPAddress) if str(i) not in have_ips]
+    if kept_dns or kept_ips:
+        say(f"{cert_p.name} keeps the names it was issued for: {', '.join(kept_dns + kept_ips)}")
+    return dns + kept_dns, ips + kept_ips
+
+
 def _ensure_private_mode(path: Path) -> None:
     if path.exists() and (path.stat().st_mode & 0o077):
         os.chmod(path, 0o600)
@@ -849,6 +866,8 @@ def _ensure_pki_locked(
 
     # --- which certificates must be (re-)issued: decided before anything is written
     renew = force or new_ca
+    if not force:  # a re-issued server certificate keeps the names it was issued for (a renewal without --san)
+        dns, ips = _with_existing_sans(srv_cert_p, dns, ips, say)
     rt_dir = out / "runtime"
     leaves: list[tuple[Path, Path, list[str], list[str]]] = [(srv_cert_p, srv_key_p, dns, ips)]
     if runtime_certs and num_supernodes:

@@ -253,6 +253,24 @@ def test_default_renewal_keeps_the_ca(tmp_path, monkeypatch):
         assert srv.not_valid_after_utc - pki._now() > dt.timedelta(days=364)
 
 
+def test_a_renewal_without_san_keeps_the_names_the_certificate_was_issued_for(tmp_path, monkeypatch):
+    """docs/deploy.md's "Adding a node" (``--supernodes 4``, no ``--san``) near expiry re-issued server.pem with the
+    default names only: remote SuperNodes dialling the public name failed their TLS check.  --force starts over."""
+    out = tmp_path / "certs"
+    files = pki.ensure_pki(out, 1, ["fl.example.org", "203.0.113.7"])
+    old_server = files.server_cert.read_bytes()
+    with _clock(monkeypatch, dt.timedelta(days=360)):
+        msgs: list[str] = []
+        pki.ensure_pki(out, 2, log=msgs.append)
+        assert files.server_cert.read_bytes() != old_server  # renewed ...
+        assert pki.cert_covers_host(files.server_cert, "fl.example.org")  # ... with its names
+        assert pki.cert_covers_host(files.server_cert, "203.0.113.7")
+        assert pki.cert_covers_host(files.server_cert, "superlink")
+        assert any("keeps the names" in m and "fl.example.org" in m for m in msgs), msgs
+        pki.ensure_pki(out, 2, force=True)
+        assert not pki.cert_covers_host(files.server_cert, "fl.example.org")
+
+
 @pytest.mark.parametrize("days", [0, 3, 7])
 def test_days_at_or_below_the_renew_margin_are_refused(tmp_path, days):
     with pytest.raises(pki.PkiError, match=r"valid_days \(--days\).*7"):
