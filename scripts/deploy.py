@@ -946,7 +946,11 @@ class Deployment:
             raise DeploymentError(f"--host/--control-host cannot be listed in a certificate: {err}") from None
         try:
             warnings = pki.verify_pki_files(files.ca_cert, leaves, node_keys)
-            uncovered = [h for h in extra if not pki.cert_covers_host(files.server_cert, h)]
+            # the addresses clients on this machine dial (127.0.0.1 for a wildcard bind, ``localhost`` as such):
+            # a certificate not made by pki.py need not list the loopback names pki.py always adds
+            dialled = dict.fromkeys([_connect_host(self.host), _connect_host(self.control_host), *extra])
+            uncovered = [h for h in dialled if not pki.cert_covers_host(files.server_cert, h)]
+            uncovered_rt = [c for c, _ in leaves[1:] if not pki.cert_covers_host(c, "127.0.0.1")]
         except (ValueError, OSError) as err:
             raise DeploymentError(
                 f"unusable PKI in {self.certs_dir} (--certs): {err}; {reissue} re-issues an unusable "
@@ -959,6 +963,11 @@ class Deployment:
             raise DeploymentError(
                 f"{files.server_cert} does not list {uncovered[0]} (--host/--control-host) among its subjectAltNames, "
                 f"so no client could verify it; re-issue it with {reissue} (needs ca.key)"
+            )
+        if uncovered_rt:
+            raise DeploymentError(
+                f"{uncovered_rt[0]} does not list 127.0.0.1 among its subjectAltNames, so its SuperExec (which "
+                f"dials the node's Runtime API there) could not verify it; re-issue it with {reissue} (needs ca.key)"
             )
 
     @property

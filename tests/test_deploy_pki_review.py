@@ -85,6 +85,29 @@ def test_a_valid_certs_dir_is_accepted_and_left_alone(tmp_path, good_pki):
     assert {p: p.read_bytes() for p in certs.rglob("*") if p.is_file()} == snap
 
 
+def _resign_with_names(certs: Path, leaf: str, names: list[str]) -> None:
+    """Re-sign ``leaf`` (.pem, same .key) by the CA in ``certs`` listing only ``names`` (an operator's own cert)."""
+    dns, ips = pki.split_sans(names)
+    cert = pki._make_server_cert(_key(certs / "ca.key"), _cert(certs / "ca.crt"),
+                                 _key(certs / leaf.replace(".pem", ".key")), dns, ips, valid_days=300)  # fmt: skip
+    (certs / leaf).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def test_a_certs_dir_whose_certificates_miss_the_dialled_loopback_address_is_refused(tmp_path, good_pki):
+    """The SuperNodes and the CLI dial 127.0.0.1 (a node's SuperExec its Runtime API there too): a certificate not
+    made by pki.py need not list it, and such a one passed the check and failed at the health check's timeout."""
+    certs = _copy(good_pki, tmp_path)
+    _resign_with_names(certs, "server.pem", ["fl.example.org"])
+    with pytest.raises(DeploymentError, match=re.escape(str(certs / "server.pem")) + r" does not list 127\.0\.0\.1"):
+        _prepare(tmp_path, certs)
+    _resign_with_names(certs, "server.pem", ["fl.example.org", "127.0.0.1"])
+    _prepare(tmp_path, certs)  # subprocess isolation: no Runtime API certificates
+    runtime = f"runtime/{pki.node_key_name(0)}.pem"
+    _resign_with_names(certs, runtime, ["supernode-0"])
+    with pytest.raises(DeploymentError, match=re.escape(str(certs / runtime)) + r" does not list 127\.0\.0\.1"):
+        _prepare(tmp_path, certs, isolation="process")
+
+
 def test_server_cert_from_another_ca_is_refused(tmp_path, good_pki, other_pki):
     certs = _copy(good_pki, tmp_path)
     shutil.copy(other_pki / "server.pem", certs / "server.pem")
