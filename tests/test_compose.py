@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import os
 import re
 import shutil
@@ -285,9 +287,35 @@ def test_dockerfile_brings_the_kernels_compiler_and_runs_as_flowers_user():
     assert re.search(r"chmod 700 [^\n]*/app/kernels", text)
 
 
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker's build-context rules exclude ``path`` (relative, ``/``-separated): a pattern matches from the
+    context's root, segment by segment (``*`` within one segment, ``**`` any number of them), and excludes the
+    whole tree below a matching directory; a ``!`` pattern re-includes; the last matching pattern wins."""
+
+    def match(pat: list[str], parts: list[str]) -> bool:
+        if not pat:
+            return True  # the pattern matched a parent directory: everything below it is excluded
+        if pat[0] == "**":
+            return any(match(pat[1:], parts[i:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and match(pat[1:], parts[1:])
+
+    excluded = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        if match(pattern.lstrip("!").strip("/").split("/"), path.split("/")):
+            excluded = not negate
+    return excluded
+
+
 def test_dockerignore_keeps_secrets_out_of_the_build_context():
-    pats = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")}
-    assert {"**/certs", "**/keys", "*.key", ".venv", ".git"} <= pats
+    pats = [line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    # a key, certificate or state file at any depth of the packages the Dockerfile copies (``*.key`` alone matched
+    # only at the context's root: a stray client/site-0.key went into the image)
+    for secret in ("site-0.key", "client/site-0.key", "common/data/x.pem", "server/tls/server.crt", "strategies/certs/a",
+                   "client/keys/k.pub", "runs/main/x", ".venv/bin/python", ".git/config", "client/state/s.npz"):
+        assert _dockerignored(secret, pats), secret
+    for kept in ("pyproject.toml", "client/app.py", "common/families.py", "server/app.py", "strategies/pgvi.py"):
+        assert not _dockerignored(kept, pats), kept
 
 
 def test_every_flag_is_accepted_by_installed_flwr(services):
