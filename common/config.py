@@ -340,8 +340,7 @@ class RunConfig(BaseModel):
         # (0, 1], got 0.0' from every client), one beyond the dtype's range inf
         lo, hi = _FLOAT_RANGE[self.dtype]
         scaled: list[tuple[str, float, tuple[float, ...]]] = [
-            ("lr", self.lr, (self.lr,)), ("lr-scale", self.lr_scale, (self.lr_scale,)),
-            ("fedavg-lr", self.fedavg_lr, (self.fedavg_lr,))]
+            ("lr", self.lr, (self.lr,)), ("lr-scale", self.lr_scale, (self.lr_scale,))]
         if self.damping != "auto":
             scaled.append(("damping", float(self.damping), (float(self.damping),)))
         if self.loss == "gce" and 0.0 < self.loss_delta <= 1.0:
@@ -365,6 +364,15 @@ class RunConfig(BaseModel):
             if not all(lo <= abs(f) <= hi for f in factors):
                 errors.append(f"{key}: {value:g} is not representable with dtype {self.dtype}: it (or a factor of it "
                               f"the computation uses) is outside the normal floats [{lo:.4g}, {hi:.4g}]")
+        # the FedAvg baseline's network is float32 whatever dtype is (common/deterministic_mlp.py): fedavg-lr 1e-40
+        # with dtype float64 ran a 'completed' baseline that never moved, 1e39 (or such a weight decay) failed
+        # every client in round 1 (a subnormal weight decay is 0, as good as asked for)
+        lo32, hi32 = _FLOAT_RANGE["float32"]
+        for key, value, low in (("fedavg-lr", self.fedavg_lr, lo32),
+                                ("fedavg-weight-decay", self.fedavg_weight_decay, 0.0)):
+            if not low <= value <= hi32:
+                errors.append(f"{key}: {value:g} is not representable in float32, the FedAvg network's dtype "
+                              f"(whatever dtype is): it must be within [{low:.4g}, {hi32:.4g}]")
         # scales a loss or divergence divides or multiplies a tensor by: outside these ranges they (or their
         # reciprocals) leave the dtype's normal floats and the objective is NaN (inf * 0) at valid data
         if self.loss == "score_matching" and self.sm_weight != "constant" and not tiny**0.5 <= self.sm_c <= tiny**-0.5:

@@ -444,6 +444,9 @@ def test_representable_or_unused_scales_are_accepted(override):
     ({"family": "full_covariance", "server-divergence": "alpha_renyi", "server-divergence-alpha": 1e16},
      "server-divergence-alpha"),  # the server step failed at the prior, in PGVIStrategy's constructor
     ({"sequential-order": "site-1"}, "sequential-order"),  # synchronous: silently ignored
+    # the FedAvg network is float32 whatever dtype is: with float64, lr 1e-40 never moved it (a 'completed' run)
+    ({"dtype": "float64", "fedavg-lr": 1e-40}, "fedavg-lr"), ({"dtype": "float64", "fedavg-lr": 1e39}, "fedavg-lr"),
+    ({"fedavg-weight-decay": 1e39}, "fedavg-weight-decay"),
     ({"schedule": "asynchronous", "sequential-order": "site-1"}, "sequential-order"),
 ])
 def test_values_the_clients_refused_in_round_1_are_config_errors(override, key):
@@ -456,6 +459,7 @@ def test_values_the_clients_refused_in_round_1_are_config_errors(override, key):
     {"divergence": "alpha_renyi", "divergence-alpha": 4e12},
     {"divergence": "alpha_renyi", "divergence-alpha": 1e-300}, {"lr": 1e-300}, {"damping": 1e-300},
     {"schedule": "sequential", "sequential-order": "site-1"},
+    {"fedavg-weight-decay": 1e-40}, {"fedavg-weight-decay": 0.0}, {"fedavg-momentum": 0.0}, {"fedavg-lr": 1e38},
 ])
 def test_extreme_but_usable_values_are_accepted(override):
     parse_run_config({"dataset": "breast_cancer", **override})
