@@ -41,7 +41,8 @@ def evaluate_posterior(
             from common.metrics import classification_metrics_from_log_probs
 
             log_probs = problem.model.predictive_log_probs(q, xt, n_samples, generator=gen).numpy()
-            out = classification_metrics_from_log_probs(log_probs, np.asarray(y), bin_sums=bin_sums)  # exact NLL
+            # the labels as the problem converted them (bool -> 0 / 1), which the metrics' integer check takes
+            out = classification_metrics_from_log_probs(log_probs, yt.numpy(), bin_sums=bin_sums)  # exact NLL
         else:
             theta = q.rsample(n_samples, generator=gen)
             pred = problem.model.output(theta, xt)

@@ -251,6 +251,20 @@ def test_evaluate_posterior_1d_targets_nll_and_rmse():
         evaluate_posterior(prob, q, x_bad, y, n_samples=5)
 
 
+def test_evaluate_posterior_takes_the_boolean_labels_the_problem_takes():
+    """Problem.tensors takes binary labels as False / True (classes 0 / 1); the evaluation passed the raw bools to
+    the metrics, whose integer check refused them, so a problem trained on such labels could not be evaluated."""
+    from common.config import parse_run_config
+    from common.problem import build_problem, load_full_data
+
+    cfg = parse_run_config({"dataset": "synthetic_logistic_2d", "model": "logistic_regression"})
+    data = load_full_data(cfg)
+    problem = build_problem(cfg, data)
+    as_int = evaluate_posterior(problem, problem.prior, data.x_test, data.y_test, n_samples=10, seed=1)
+    as_bool = evaluate_posterior(problem, problem.prior, data.x_test, data.y_test.astype(bool), n_samples=10, seed=1)
+    assert as_bool == as_int
+
+
 # ---------------------------------------------------------------------------------------------------
 # 3. full-covariance KL and Alpha-Renyi in float32
 def _full_pair(scale_mu: float, prec: float, seed: int = 0, d: int = 3):
