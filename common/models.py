@@ -547,6 +547,7 @@ class BayesianMLP(LikelihoodModel):
         """
         s = _positive_int(n_samples, "n_samples", self.name)
         x = self._check_x(x)
+        self._check_moments(mean, variance)
         b = x.shape[0]
         mu, var, draws = self._last_moments_local_reparam(mean, variance, x, s, generator)
         eps = torch.randn((draws, mu.shape[0], self.num_classes), generator=generator, dtype=mu.dtype,
@@ -600,6 +601,7 @@ class BayesianMLP(LikelihoodModel):
         NLL or GCE, more than ``fused_head.MAX_CLASSES`` classes, not float32 on the CPU, kernels not built):
         the caller then uses :meth:`output_local_reparam` and the loss.  Same distribution as that path; other
         draws."""
+        self._check_moments(mean, variance)
         w0 = mean["layers.0.weight"]
         if not (self.use_fused_sampling and self.num_layers > 1 and self.num_classes <= fused_head.MAX_CLASSES
                 and fused_head.loss_spec(loss) is not None and fused_head.applies_to(w0)):
@@ -609,6 +611,19 @@ class BayesianMLP(LikelihoodModel):
         mu, var, draws = self._last_moments_local_reparam(mean, variance, x, s, generator, stop=1)
         return fused_head.expected_loss(mu, var, *self._layer(mean, variance, self.num_layers - 1), y, s, draws,
                                         loss, generator)
+
+    def _check_moments(self, mean: Mapping[str, Tensor], variance: Mapping[str, Tensor]) -> None:
+        """Check that ``mean`` and ``variance`` (one tensor per parameter, no sample dimension) are over this
+        network's parameters with its shapes.  The local-reparameterisation passes take every size from the
+        tensors themselves, so a posterior of another network (3-7-3 for this 3-4-3) ran as that network."""
+        for what, moments in (("mean", mean), ("variance", variance)):
+            if set(moments) != set(self.param_shapes):
+                raise ValueError(f"{self.name}: the {what} is over {sorted(moments)}, the model has parameters "
+                                 f"{list(self.param_shapes)}")
+            for k, shape in self.param_shapes.items():
+                if tuple(moments[k].shape) != tuple(shape):
+                    raise ValueError(f"{self.name}: the {what} of '{k}' must have shape {tuple(shape)}, got "
+                                     f"{tuple(moments[k].shape)}")
 
     def predictive_probs(
         self, q: GaussianFactor, x: Tensor, n_samples: int, generator: torch.Generator | None = None
@@ -630,6 +645,7 @@ class BayesianMLP(LikelihoodModel):
         n_samples = _positive_int(n_samples, "n_samples", self.name)
         q.check_proper("posterior in predictive_probs()")
         mean, var = q.mean(), q.variance()
+        self._check_moments(mean, var)
         b = int(x.shape[0])
         widest = max(self.sizes[1:])
         chunk = max(1, min(b, (1 << 23) // (n_samples * widest)))  # points per chunk: S x chunk x widest floats

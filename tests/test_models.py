@@ -377,6 +377,28 @@ def test_bnn_predictive_probs():
         model.predictive_probs(FullCovarianceGaussian.uniform(3), x, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the fused kernels where they apply
+def test_bnn_local_reparam_refuses_the_moments_of_another_network(dtype):
+    """The local-reparameterisation passes take every size from the tensors: a posterior of a 3-7-3 network ran
+    as that network in a 3-4-3 model (the exact path refused it).  Each pass now refuses it as that path does."""
+    g = torch.Generator().manual_seed(0)
+    model, other = BayesianMLP(3, [4], 3), BayesianMLP(3, [7], 3)
+    var7 = {k: torch.full(sh, 0.01, dtype=dtype) for k, sh in other.param_shapes.items()}
+    q7 = MeanFieldGaussian.from_mean_variance({k: v.to(dtype) for k, v in other.init_mean(g).items()}, var7)
+    x, y = torch.randn(5, 3, dtype=dtype), torch.randint(0, 3, (5,))
+    shape = r"'layers\.0\.weight' must have shape \(4, 3\), got \(7, 3\)"
+    with pytest.raises(ValueError, match=shape):
+        model.predictive_probs(q7, x, 10)
+    with pytest.raises(ValueError, match=shape):
+        model.output_local_reparam(q7.mean(), q7.variance(), x, 2)
+    with pytest.raises(ValueError, match=shape):
+        model.expected_loss_local_reparam(q7.mean(), q7.variance(), x, y, 2, make_loss("nll"))
+    mean = dict(model.init_mean(g))
+    del mean["layers.1.bias"]
+    with pytest.raises(ValueError, match="the mean is over"):
+        model.output_local_reparam(mean, {k: torch.full(sh, 0.01) for k, sh in model.param_shapes.items()}, x, 2)
+
+
 def test_bnn_flops():
     model = make_model("bnn", in_features=784, hidden=[200], num_classes=10)
     assert model.flops_per_point(False) == 2 * (784 * 200 + 200 * 10)
