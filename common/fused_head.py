@@ -422,7 +422,8 @@ def _kernel_labels(y: Tensor, classes: int, batch: int) -> Tensor:
     ``(batch, 1)`` column) is taken in row order, any other count is a ``ValueError``; so are a bool or complex
     dtype and a floating label that is not an integer (``0.6`` or ``-0.5``, which the ``long()`` cast turned
     into class 0), with :func:`~common.likelihoods.check_class_labels`' message.  An integer label outside
-    ``[0, classes)`` is refused by the kernel itself (``IndexError``).
+    ``[0, classes)`` is refused by the kernel itself, and then with that message too (a ``ValueError``, as on the
+    torch path; it was an ``IndexError``).
 
     Cost on the per-step path: Python checks for integer labels; for floating ones (a caller that keeps ``0.``/
     ``1.`` labels in float) one comparison with their ``long()`` cast, which the kernel needs anyway."""
@@ -470,8 +471,9 @@ def loss_and_gradients(mu: Tensor, sd: Tensor, w_mean: Tensor, b_mean: Tensor, w
     run_parallel(_NATIVE, lambda b0, b1, nt: lib.pgvi_head_run(*args, b0, b1, nt, losses, status, *outs), nb)
     if any(s == 1 for s in status):
         raise MemoryError("fused head: out of memory")
-    if any(s == 2 for s in status):
-        raise IndexError(f"fused head: a label is outside [0, {classes})")
+    if any(s == 2 for s in status):  # the kernel's own range check: the torch path's error, as its other checks
+        check_class_labels(y, classes, "fused head")
+        raise ValueError(f"fused head: a label is outside [0, {classes})")  # if the above did not
     total = 0.0
     for v in losses:  # block order: independent of the thread count
         total += v

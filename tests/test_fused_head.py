@@ -111,9 +111,10 @@ def test_nan_propagates_and_bad_labels_are_refused() -> None:
     params[0][3, 5] = float("nan")
     assert torch.isnan(fused_head.expected_loss(*params, y, 2, 2, make_loss("nll")))
     params[0][3, 5] = 0.0
-    with pytest.raises(IndexError, match="outside"):
+    # a ValueError with the torch path's message (CategoricalOutput's check_class_labels), not an IndexError
+    with pytest.raises(ValueError, match=r"fused head: labels must be class indices in \[0, 4\), got labels from 4"):
         fused_head.expected_loss(*params, torch.full((20,), 4), 2, 2, make_loss("nll"))
-    with pytest.raises(IndexError, match="outside"):
+    with pytest.raises(ValueError, match=r"fused head: labels must be class indices in \[0, 4\)"):
         fused_head.expected_loss(*params, torch.full((20,), -1), 2, 2, make_loss("nll"))
 
 
