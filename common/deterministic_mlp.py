@@ -11,6 +11,7 @@ says which deterministic network a run's ``model`` corresponds to.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from common.config import ConfigError
+from common.likelihoods import check_class_labels
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -65,12 +67,19 @@ class DeterministicMLP(nn.Module):
         own = self.state_dict()
         if set(arrays) != set(own):
             raise ValueError(f"parameter names differ: got {sorted(arrays)}, expected {sorted(own)}")
+        new = {}
         for k, v in arrays.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"'{k}' has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
-            if not np.all(np.isfinite(v)):
-                raise ValueError(f"'{k}' has non-finite entries")
-        self.load_state_dict({k: torch.as_tensor(np.asarray(v), dtype=own[k].dtype) for k, v in arrays.items()})
+            # checked after the cast to the model's dtype: a float64 1e39 passed the check and became inf
+            new[k] = t = torch.as_tensor(np.asarray(v), dtype=own[k].dtype)
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"'{k}' has non-finite entries (in {own[k].dtype})")
+        self.load_state_dict(new)
+
+    @property
+    def num_classes(self) -> int:
+        return self.layers[-1].out_features
 
 
 @dataclass(frozen=True)
@@ -87,8 +96,12 @@ class SGDConfig:
             raise ValueError(f"SGDConfig.lr must be finite and > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"SGDConfig.momentum must be in [0, 1), got {self.momentum}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"SGDConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"SGDConfig.weight_decay must be finite and >= 0, got {self.weight_decay}")
+        for name in ("epochs", "batch_size", "seed"):  # 2.5 failed in range(), True ran one epoch
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"SGDConfig.{name} must be an integer, got {value!r}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"SGDConfig needs epochs >= 1 and batch_size >= 1, got {self.epochs}, {self.batch_size}")
 
@@ -104,7 +117,12 @@ def sgd_epochs(model: DeterministicMLP, x: np.ndarray, y: np.ndarray, config: SG
     if len(x) == 0:
         raise ValueError("sgd_epochs: no training data")
     xt = torch.as_tensor(x, dtype=torch.float32)
-    yt = torch.as_tensor(y, dtype=torch.long)
+    labels = torch.as_tensor(np.asarray(y))
+    if len(labels) != len(xt):
+        raise ValueError(f"sgd_epochs: {len(labels)} labels for {len(xt)} inputs")
+    # the BNN path's check: a label 0.6 was truncated to class 0 by the cast, one out of range an index error
+    check_class_labels(labels, model.num_classes, "sgd_epochs")
+    yt = labels.long()
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                           weight_decay=config.weight_decay)
     gen = torch.Generator().manual_seed(config.seed)
@@ -138,7 +156,7 @@ def predict_log_probs(model: DeterministicMLP, x: np.ndarray, batch_size: int = 
         for start in range(0, len(x), batch_size):
             xb = torch.as_tensor(x[start : start + batch_size], dtype=torch.float32)
             out.append(torch.log_softmax(model(xb).double(), dim=-1).numpy())
-    return np.concatenate(out) if out else np.zeros((0, 0))
+    return np.concatenate(out) if out else np.zeros((0, model.num_classes))
 
 
 def predict_probs(model: DeterministicMLP, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:

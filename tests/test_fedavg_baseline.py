@@ -42,6 +42,10 @@ def test_set_arrays_rejects_wrong_names_shapes_and_non_finite():
     bad = {**good, "layers.1.weight": np.full_like(good["layers.1.weight"], np.nan)}
     with pytest.raises(ValueError, match="non-finite"):
         m.set_arrays(bad)
+    # finite in float64 but not in the network's float32: it became inf (checked before the cast)
+    with pytest.raises(ValueError, match="'layers.1.weight' has non-finite entries"):
+        m.set_arrays({**good, "layers.1.weight": np.full(good["layers.1.weight"].shape, 1e39)})
+    assert bool(torch.isfinite(m.layers[1].weight).all())
 
 
 def test_sgd_learns_and_is_deterministic_under_a_seed():
@@ -69,10 +73,26 @@ def test_a_diverging_client_raises_instead_of_sending_nan():
         sgd_epochs(m, x, y, SGDConfig(lr=1e30, momentum=0.0, weight_decay=1.0, epochs=3, batch_size=5))
 
 
-@pytest.mark.parametrize("bad", [{"lr": 0.0}, {"momentum": 1.0}, {"weight_decay": -1.0}, {"epochs": 0}])
+@pytest.mark.parametrize("bad", [{"lr": 0.0}, {"momentum": 1.0}, {"weight_decay": -1.0}, {"epochs": 0},
+                                 {"weight_decay": float("inf")}, {"epochs": 2.5}, {"batch_size": 10.5},
+                                 {"epochs": True}, {"seed": 1.5}])
 def test_sgd_config_guards(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="SGDConfig"):
         SGDConfig(**bad)
+
+
+@pytest.mark.parametrize("y, match", [(np.array([0.6, 1.0, 0.2, 1.9]), "integer-valued"),
+                                      (np.array([0, 1, 2, 1]), r"class indices in \[0, 2\)"),
+                                      (np.array([0, 1, 1]), "3 labels for 4 inputs")])
+def test_sgd_refuses_labels_the_bnn_path_refuses(y, match):
+    """Float labels were truncated by the cast (0.6 -> class 0) and trained on; an out-of-range one failed inside
+    cross_entropy."""
+    with pytest.raises(ValueError, match=match):
+        sgd_epochs(DeterministicMLP(2, [], 2), np.ones((4, 2), np.float32), y, SGDConfig(epochs=1, batch_size=2))
+
+
+def test_predictions_of_no_points_have_the_class_dimension():
+    assert predict_probs(DeterministicMLP(2, [3], 5), np.zeros((0, 2), np.float32)).shape == (0, 5)
 
 
 def test_fedavg_round_is_the_weighted_average_of_the_clients_local_models(tmp_path):
