@@ -409,7 +409,8 @@ def run_influence(out: Path, img: Path, seeds: int = 1, tiny: bool = False) -> d
                 if z in posts and 0.0 in posts:
                     m0, s0 = posts[0.0]
                     mz, sz = posts[z]
-                    fr = float(fisher_rao_univariate(torch.tensor(m0), torch.tensor(s0), torch.tensor(mz), torch.tensor(sz)))
+                    m0_t, s0_t, mz_t, sz_t = (torch.tensor(v, dtype=torch.float64) for v in (m0, s0, mz, sz))
+                    fr = float(fisher_rao_univariate(m0_t, s0_t, mz_t, sz_t))  # float64, as the rest of the run
                     row.update({"mean": mz, "sd": sz, "fisher_rao": fr})
                 rows.append(row)
     zmax = max(z_grid)

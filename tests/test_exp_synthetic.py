@@ -77,6 +77,23 @@ def test_influence_nll_unbounded_robust_bounded(outputs: dict) -> None:
         assert curve[-1] <= max(curve[1:-1]) + 1e-9, (name, curve)
 
 
+def test_influence_distances_are_computed_in_float64(outputs: dict) -> None:
+    """The run is float64 throughout (results_synthetic.md); the Fisher-Rao distance was formed from float32
+    tensors (exactly float32 numbers, up to 6e-6 relative off)."""
+    import math
+
+    rows = [r for r in _rows(outputs["out"] / "influence" / "influence.csv") if r["fisher_rao"]]
+    ref = {(r["method"], r["seed"]): (float(r["mean"]), float(r["sd"])) for r in rows if float(r["z"]) == 0.0}
+    assert rows and ref
+    for r in rows:
+        m0, s0 = ref[(r["method"], r["seed"])]
+        m, s = float(r["mean"]), float(r["sd"])
+        # the univariate Fisher-Rao distance: 2 sqrt(2) atanh of the ratio of the distances from (m, sqrt2 s) to
+        # (m0, sqrt2 s0) and to its mirror image (m0, -sqrt2 s0)
+        d = math.hypot(m - m0, math.sqrt(2) * (s - s0)) / math.hypot(m - m0, math.sqrt(2) * (s + s0))
+        assert float(r["fisher_rao"]) == pytest.approx(2 * math.sqrt(2) * math.atanh(d), rel=1e-12, abs=1e-14), r
+
+
 def test_logistic_robust_boundary_closer_to_clean_target(outputs: dict) -> None:
     table = outputs["results"]["logistic2d"]["table"]
     assert table["fedgvi_beta_ar"]["angle_to_target_deg_mean"] < table["pvi"]["angle_to_target_deg_mean"]
