@@ -48,7 +48,10 @@ Trade-offs, honestly:
   combination of ``q`` and ``q * Delta`` in natural parameters, and proper natural parameters form a convex
   set.)  The server therefore applies the credited Deltas with
   :meth:`common.factors.PGVIServerState.apply`, which checks the posterior after aggregation and rejects the
-  batch atomically if it is improper.
+  batch atomically if it is improper.  Before aggregating, the server also checks each received Delta on its own
+  (``PGVIStrategy._check_alone``: the posterior times that Delta alone must be proper) and rejects one that fails,
+  charging its client: such a Delta never reaches the aggregator, even where clipping would have made it
+  harmless, so the batch the median or trimmed mean sees is the one left after that check.
 
 All aggregators are deterministic, do not modify their inputs, and give bit-identical results whatever the order
 of the clients in the mapping (sorting is exact).  Credited Deltas are new factors, except that a Delta credited
@@ -61,7 +64,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
@@ -76,17 +78,32 @@ from common.registry import Registry
 
 # ==================================================================================================
 # helpers
-def natural_parameter_norm(factor: GaussianFactor) -> float:
-    """Euclidean norm of all natural-parameter coordinates of ``factor`` (eta1 and eta2 flattened together),
-    accumulated in float64."""
+def _norm_parts(factor: GaussianFactor) -> tuple[float, float]:
+    """``(scale, relative)`` with the natural-parameter norm equal to ``scale * relative``: ``(1, norm)`` where the
+    norm is a finite float64, else ``scale`` the largest magnitude (finite entries whose squares overflow)."""
     norms = [float(torch.linalg.vector_norm(v.detach(), dtype=torch.float64)) for v in factor.params.values()]
     norm = math.hypot(*norms)
     if math.isinf(norm):  # finite entries whose squares overflow (a float64 Delta of 1e200s: the clip zeroed it)
         scale = max(float(v.detach().abs().max().to(torch.float64)) for v in factor.params.values() if v.numel())
         if math.isfinite(scale) and scale > 0.0:
-            return scale * math.hypot(*(float(torch.linalg.vector_norm(v.detach().to(torch.float64) / scale))
-                                        for v in factor.params.values()))
-    return norm
+            return scale, math.hypot(*(float(torch.linalg.vector_norm(v.detach().to(torch.float64) / scale))
+                                       for v in factor.params.values()))
+    return 1.0, norm
+
+
+def natural_parameter_norm(factor: GaussianFactor) -> float:
+    """Euclidean norm of all natural-parameter coordinates of ``factor`` (eta1 and eta2 flattened together),
+    accumulated in float64 (``inf`` only where the norm itself is beyond float64's range)."""
+    scale, relative = _norm_parts(factor)
+    return scale * relative
+
+
+def _median(values: list[float]) -> float:
+    """The median, the two middle values of an even count averaged as ``a / 2 + b / 2`` (``statistics.median``'s
+    ``(a + b) / 2`` overflowed for two norms near float64's maximum, and the adaptive bound became inf)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * ordered[mid - 1] + 0.5 * ordered[mid]
 
 
 def check_batch(deltas: Mapping[str, GaussianFactor]) -> list[str]:
@@ -233,18 +250,21 @@ class NormClip(Aggregator):
         """The clipping bound for a batch whose Deltas have these norms."""
         if self.max_norm is not None:
             return self.max_norm
-        return self.multiplier * statistics.median(norms)
+        return self.multiplier * _median(norms)
 
     def __call__(self, deltas: Mapping[str, GaussianFactor]) -> dict[str, GaussianFactor]:
         ids = check_batch(deltas)
         if not ids:
             return {}
-        norms = [natural_parameter_norm(deltas[c]) for c in ids]
+        parts = [_norm_parts(deltas[c]) for c in ids]
+        norms = [scale * relative for scale, relative in parts]
         bound = self.bound(norms)
         out: dict[str, GaussianFactor] = {}
-        for cid, norm in zip(ids, norms):
+        for cid, norm, (scale, relative) in zip(ids, norms, parts):
             d = deltas[cid]
-            out[cid] = d if norm <= bound else d ** (bound / norm)
+            # bound / norm as (bound / scale) / relative: finite and > 0 also for a norm beyond float64's range
+            # (bound / inf credited the Delta as zero, not scaled down to the bound)
+            out[cid] = d if norm <= bound else d ** ((bound / scale) / relative)
         return out
 
     def __repr__(self) -> str:

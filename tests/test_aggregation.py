@@ -502,3 +502,23 @@ def test_norm_clip_scales_a_delta_whose_norm_overflows_instead_of_zeroing_it():
     out = NormClip(max_norm=10.0)({"a": big})["a"]
     assert natural_parameter_norm(out) == pytest.approx(10.0, rel=1e-12)
     torch.testing.assert_close(out.params["eta1"], torch.full((2,), 5.0, dtype=f64))
+
+
+def test_norm_clip_scales_a_delta_whose_norm_is_beyond_float64_and_its_adaptive_bound_stays_finite():
+    # review of stop 35: entries 1e308 x 4 have norm 2e308, beyond float64's range; the norm was inf and
+    # d ** (bound / inf) still credited zeros. The adaptive bound's median of two norms near the maximum was
+    # (a + b) / 2 = inf, so nothing was clipped.
+    from common.aggregation import NormClip
+
+    f64 = torch.float64
+    huge = FullCovarianceGaussian(torch.full((2,), 1e308, dtype=f64), -1e308 * torch.eye(2, dtype=f64))
+    out = NormClip(max_norm=10.0)({"a": huge})["a"]
+    torch.testing.assert_close(out.params["eta1"], torch.full((2,), 5.0, dtype=f64))  # norm 10, same direction
+    torch.testing.assert_close(out.params["eta2"], -5.0 * torch.eye(2, dtype=f64))
+    big = {k: FullCovarianceGaussian(torch.tensor([v, 0.0], dtype=f64), torch.zeros(2, 2, dtype=f64))
+           for k, v in (("a", 1.0e308), ("b", 1.5e308), ("c", 1.0), ("d", 1.7e308))}
+    clip = NormClip(multiplier=1.0)
+    assert clip.bound([1.0e308, 1.5e308]) == pytest.approx(1.25e308, rel=1e-15)
+    credited = clip(big)
+    assert float(credited["d"].params["eta1"][0]) == pytest.approx(1.25e308, rel=1e-12)  # scaled to the bound
+    assert credited["c"] is big["c"] and credited["a"] is big["a"]
