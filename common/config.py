@@ -429,8 +429,25 @@ class RunConfig(BaseModel):
         """Why the Byzantine-robust aggregator cannot limit any client in this run's synchronous batches of
         ``M = clients_per_round(fraction-train, num-clients)`` Deltas (fewer if clients fail), or ``None``: a trimmed
         mean that trims ``floor(trim * M) = 0`` values, a median of at most 2 values and a median-relative clipping
-        bound of at most 2 norms are the plain mean / no clipping.  Not an error (a configuration may be reused
-        with more clients); the server logs it before round 1."""
+        bound of at most 2 norms are the plain mean / no clipping; and an aggregator setting at a value other
+        than its default that the chosen aggregator ignores (``aggregator-trim`` with ``median``, a typo for
+        ``trimmed_mean``).  Not an error (a configuration may be reused with more clients; a sweep passes one
+        setting to runs of several aggregators); the server logs it before round 1."""
+        defaults = type(self).model_fields
+        used = {"trimmed_mean": {"aggregator_trim"},
+                "norm_clip": {"aggregator_clip_norm"} | (set() if self.aggregator_clip_norm else
+                                                         {"aggregator_clip_multiplier"})}.get(self.aggregator, set())
+        ignored = [f"{_hyphen(k)} = {getattr(self, k):g}"
+                   for k in ("aggregator_trim", "aggregator_clip_norm", "aggregator_clip_multiplier")
+                   if k not in used and getattr(self, k) != defaults[k].default]
+        why = [f"{', '.join(ignored)} does nothing with aggregator '{self.aggregator}'"
+               + (" and a fixed aggregator-clip-norm" if self.aggregator == "norm_clip" else "")] if ignored else []
+        if (bounds := self._aggregator_bounds_nothing()) is not None:
+            why.append(bounds)
+        return "; ".join(why) or None
+
+    def _aggregator_bounds_nothing(self) -> str | None:
+        """The part of :meth:`aggregator_warning` about batches: why the aggregator limits no client, or ``None``."""
         if self.schedule != "synchronous" or self.aggregator == "sum":
             return None
         m = clients_per_round(self.fraction_train, self.num_clients)

@@ -194,6 +194,16 @@ def test_nan_alpha_is_rejected(key, div):
     ({"aggregator": "norm_clip", "num-clients": 2, "min-clients": 2, "aggregator-clip-multiplier": 1.5}, None),
     ({"aggregator": "norm_clip", "num-clients": 2, "min-clients": 2, "aggregator-clip-norm": 5.0}, None),
     ({"aggregator": "sum", "num-clients": 2, "min-clients": 2}, None),
+    # a setting the chosen aggregator ignores (a typo for another aggregator): said, not silently dropped
+    ({"aggregator": "median", "num-clients": 5, "aggregator-trim": 0.3},
+     "aggregator-trim = 0.3 does nothing with aggregator 'median'"),
+    ({"aggregator-clip-norm": 5.0}, "aggregator-clip-norm = 5 does nothing with aggregator 'sum'"),
+    ({"aggregator": "norm_clip", "num-clients": 5, "aggregator-clip-norm": 5.0, "aggregator-clip-multiplier": 3.0},
+     "aggregator-clip-multiplier = 3 does nothing with aggregator 'norm_clip' and a fixed aggregator-clip-norm"),
+    ({"aggregator": "median", "num-clients": 2, "min-clients": 2, "aggregator-trim": 0.3},  # both said
+     "aggregator-trim = 0.3 does nothing with aggregator 'median'; aggregator median of 2 Delta(s)"),
+    ({"aggregator": "trimmed_mean", "num-clients": 10, "min-clients": 2, "aggregator-trim": 0.3}, None),
+    ({"aggregator": "norm_clip", "num-clients": 5, "aggregator-clip-multiplier": 3.0}, None),
 ])
 def test_a_robust_aggregator_that_cannot_bound_any_client_is_warned_about(overrides, warned):
     from common.config import parse_run_config
