@@ -119,6 +119,8 @@ def client_step(
     ``step_seed`` (the round) and ``stream`` (the client: its partition id) select the local optimiser's random
     stream, :func:`local_seed`."""
     t0 = time.perf_counter()
+    if len(y) == 0:  # as local_gvi refuses it: the conjugate path returned a zero Delta for no data
+        raise ValueError("client_step: the client has no data")
     cav = cavity(posterior, site)
     metrics: dict[str, float] = {"num-examples": float(len(y))}
     if problem.cfg.conjugate and supports_conjugate(problem.model, problem.loss, problem.divergence):
@@ -137,6 +139,10 @@ def client_step(
         local_cfg = replace(problem.local, seed=local_seed(problem.local.seed, step_seed, stream), init="posterior")
         res = local_gvi(problem.model, problem.loss, problem.divergence, cav, x, y, init, local_cfg)
         q_m = res.posterior
+        if res.stopped_unrepresentable:
+            _LOG.warning("local update stopped early at its best state: a step reached a q whose precision is not "
+                         "positive definite in %s (lower lr / lr-scale): %s", problem.cfg.dtype,
+                         res.stopped_unrepresentable)
         metrics.update(
             {
                 "conjugate": 0.0,

@@ -227,6 +227,10 @@ class LocalGVIResult:
         polished: whether an L-BFGS polish was run and kept.
         domain_cuts: steps that left the divergence's (shrunk) domain and were cut short (Alpha-Renyi with
             ``alpha > 1`` or ``< 0``: :mod:`common.domain_guard`).
+        stopped_unrepresentable: empty, or why the epochs stopped early at a state the optimiser reached whose
+            precision is not positive definite in the working dtype (a full-covariance ``q`` whose Cholesky
+            factor is valid but so ill-conditioned, after too large a step, that ``L^-T L^-1`` rounds to an
+            indefinite matrix); the best state before it was returned.
     """
 
     posterior: GaussianFactor
@@ -240,6 +244,7 @@ class LocalGVIResult:
     path: str = ""
     polished: bool = False
     domain_cuts: int = 0
+    stopped_unrepresentable: str = ""
 
 
 # ==================================================================================================
@@ -733,51 +738,60 @@ def local_gvi(
     ref_value, wait = best_value, 0
     trace: list[float] = []
     epochs_run = 0
-    for epoch in range(1, config.epochs + 1):
-        epochs_run = epoch
-        running: list[float] = []
-        if obj.path == "closed_form" or bsz >= n:
-            batches: list[Tensor | slice] = [slice(0, n)]
-        else:
-            perm = torch.randperm(n, generator=gen)
-            batches = [perm[s:s + bsz] for s in range(0, n, bsz)]
-        last_step = len(batches) - 1
-        for step, idx in enumerate(batches):
-            if running_mode and step == last_step:
-                measured_state = q.snapshot()
-            if guard is not None:
-                guard.remember(q)
-            if explicit is not None:  # the whole step, the optimiser's update included
-                explicit(idx, gen, lambda e, d: running.append(_finite_float(e, d, f"epoch {epoch}, step {step}")))
+    stopped = ""
+    try:
+        for epoch in range(1, config.epochs + 1):
+            epochs_run = epoch
+            running: list[float] = []
+            if obj.path == "closed_form" or bsz >= n:
+                batches: list[Tensor | slice] = [slice(0, n)]
             else:
-                optimiser.zero_grad()
-                moments = obj.moments(q)
-                if obj.path == "closed_form":
-                    expected = obj.full_expected_loss(q, None)
+                perm = torch.randperm(n, generator=gen)
+                batches = [perm[s:s + bsz] for s in range(0, n, bsz)]
+            last_step = len(batches) - 1
+            for step, idx in enumerate(batches):
+                if running_mode and step == last_step:
+                    measured_state = q.snapshot()
+                if guard is not None:
+                    guard.remember(q)
+                if explicit is not None:  # the whole step, the optimiser's update included
+                    explicit(idx, gen, lambda e, d: running.append(_finite_float(e, d, f"epoch {epoch}, step {step}")))
                 else:
-                    xb, yb = _rows(obj.x, idx), _rows(obj.y, idx)
-                    expected = obj.batch_expected_loss(q, xb, yb, gen, moments=moments) * (n / int(xb.shape[0]))
-                div = obj.divergence_term(q, moments)
-                value = _finite_float(expected.detach(), div.detach(), f"epoch {epoch}, step {step}")
-                running.append(value)
-                (expected + div).backward()
-                optimiser.step()
-            if guard is not None and guard.cut(q):
-                domain_cuts += 1
-        for p in q.parameters():
-            if not all_finite(p):
-                raise NonFiniteError(f"local_gvi: non-finite variational parameters after epoch {epoch}")
-        value = obj.evaluate(q) if config.objective_estimate == "end_of_epoch" else float(np.mean(running))
-        trace.append(value)
-        if value < best_value:
-            best_value, best_state = value, (measured_state if running_mode else q.snapshot())
-            best_epoch = epoch - 1 if (running_mode and last_step == 0) else epoch
-        if value < ref_value - config.min_delta:
-            ref_value, wait = value, 0
-        else:
-            wait += 1
-            if config.patience is not None and wait >= config.patience:
-                break
+                    optimiser.zero_grad()
+                    moments = obj.moments(q)
+                    if obj.path == "closed_form":
+                        expected = obj.full_expected_loss(q, None)
+                    else:
+                        xb, yb = _rows(obj.x, idx), _rows(obj.y, idx)
+                        expected = obj.batch_expected_loss(q, xb, yb, gen, moments=moments) * (n / int(xb.shape[0]))
+                    div = obj.divergence_term(q, moments)
+                    value = _finite_float(expected.detach(), div.detach(), f"epoch {epoch}, step {step}")
+                    running.append(value)
+                    (expected + div).backward()
+                    optimiser.step()
+                if guard is not None and guard.cut(q):
+                    domain_cuts += 1
+            for p in q.parameters():
+                if not all_finite(p):
+                    raise NonFiniteError(f"local_gvi: non-finite variational parameters after epoch {epoch}")
+            value = obj.evaluate(q) if config.objective_estimate == "end_of_epoch" else float(np.mean(running))
+            trace.append(value)
+            if value < best_value:
+                best_value, best_state = value, (measured_state if running_mode else q.snapshot())
+                best_epoch = epoch - 1 if (running_mode and last_step == 0) else epoch
+            if value < ref_value - config.min_delta:
+                ref_value, wait = value, 0
+            else:
+                wait += 1
+                if config.patience is not None and wait >= config.patience:
+                    break
+    except ImproperDistributionError as err:
+        # the cavity and the start were checked above: the state a step reached has a valid parameterisation (a
+        # full-covariance Cholesky factor) whose precision rounds to an indefinite matrix (condition number ~1e17
+        # after too large a step); it is no candidate, and the best state so far is returned, as for a bad epoch
+        stopped = f"epoch {epochs_run}: {err}"
+        if math.isinf(best_value) and running:  # "running", stopped in epoch 1: its first value is the start's
+            best_value = running[0]
     q.restore(best_state)
     final_value = best_value
 
@@ -804,6 +818,7 @@ def local_gvi(
         path=obj.path,
         polished=polished,
         domain_cuts=domain_cuts,
+        stopped_unrepresentable=stopped,
     )
 
 

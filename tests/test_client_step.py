@@ -204,3 +204,16 @@ def test_the_round_row_counts_the_updates_whose_start_was_narrowed():
     s = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
     s.start(InProcessGrid(client_app, nodes, raw, reply_hook=narrowed))
     assert [r.get("starts-narrowed") for r in s.history] == [None, None, 2.0]
+
+
+@pytest.mark.parametrize("conjugate", [True, False])
+def test_a_client_without_data_is_refused_on_both_paths(conjugate):
+    """The iterative path refused an empty shard; the conjugate one returned a zero Delta for it."""
+    dt = torch.float64
+    model = make_model("linear_regression", in_features=2, sigma=0.4)
+    prior = MeanFieldGaussian.isotropic(model.param_shapes, 0.0, 2.0, dtype=dt)
+    problem = Problem(SimpleNamespace(model="linear_regression", seed=0, conjugate=conjugate), model, prior,
+                      make_loss("nll"), make_divergence("kl"), make_server_step("kl"), LocalGVIConfig(), dt)
+    with pytest.raises(ValueError, match="no data"):
+        client_step(problem, prior, prior.zeros_like(), torch.zeros(0, 2, dtype=dt), torch.zeros(0, 1, dtype=dt),
+                    rho=1.0)

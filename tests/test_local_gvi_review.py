@@ -102,3 +102,26 @@ def test_a_cavity_the_model_does_not_fit_is_a_shape_mismatch():
         for cfg in (LocalGVIConfig(epochs=1), LocalGVIConfig(epochs=1, closed_form=False, quadrature_points=3)):
             with pytest.raises(ShapeMismatchError, match=r"the model 'gaussian_location' has parameters"):
                 local_gvi(model, nll, kl, cavity, None, y, cavity, cfg)
+
+
+@pytest.mark.parametrize("batch_size, lr", [(None, 1.0), (10, 3.0)])  # the closed-form path; minibatch Monte Carlo
+def test_a_step_to_a_full_covariance_q_whose_precision_rounds_indefinite_ends_at_the_best_state(batch_size, lr):
+    """Linear regression, full covariance, lr 1 on the Cholesky factor: a step reaches a valid factor (cond ~1e17)
+    whose precision L^-T L^-1 rounds to an indefinite matrix; the whole update failed with 'q in KL is improper'
+    (neither the cavity nor the start was).  The epochs now stop there and the best state so far is returned."""
+    dt = torch.float64
+    g = torch.Generator().manual_seed(0)
+    d = 8
+    x = torch.randn(50, d, dtype=dt, generator=g)
+    y = x.sum(1, keepdim=True) + 0.3 * torch.randn(50, 1, dtype=dt, generator=g)
+    model, loss, kl = make_model("linear_regression", in_features=d, sigma=0.5), make_loss("nll"), make_divergence("kl")
+    cavity = FullCovarianceGaussian.from_mean_covariance(torch.zeros(d + 1, dtype=dt), torch.eye(d + 1, dtype=dt))
+    cfg = LocalGVIConfig(init="cavity", epochs=30, lr=lr, patience=5, batch_size=batch_size)
+    res = local_gvi(model, loss, kl, cavity, x, y, None, cfg)
+    assert res.stopped_unrepresentable.startswith("epoch ") and "improper" in res.stopped_unrepresentable
+    res.posterior.check_proper("returned")
+    assert res.epochs_run < 30 and res.best_epoch < res.epochs_run
+    # the returned state is the best one measured: its objective is the reported one (end-of-epoch estimate)
+    assert gvi_objective(model, loss, kl, cavity, x, y, res.posterior, cfg) == pytest.approx(res.final_objective,
+                                                                                              rel=1e-9)
+    assert res.final_objective <= gvi_objective(model, loss, kl, cavity, x, y, cavity, cfg) + 1e-9
