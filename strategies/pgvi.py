@@ -1081,6 +1081,17 @@ class PGVIStrategy(Strategy):
                 log(WARNING, "node %d claims client id '%s', which connected node %d holds: ignored (check the "
                     "nodes' client-id settings)", node, cid, holder)
                 continue
+            if cid not in self.ledger_versions and len(self.ledger_versions) >= self.cfg.num_clients:
+                # num-clients is the number of partitions: an (M+1)-th id is a node renamed or misconfigured, whose
+                # data a ledger entry already holds (a resume with other ids counted every point twice)
+                self._last_failure = (f"node {node}: client id {_short(cid)} would be client "
+                                      f"{len(self.ledger_versions) + 1} of num-clients={self.cfg.num_clients}")
+                log(WARNING, "identity reply from node %d ignored: client id %s is not in the ledger, which already "
+                    "holds num-clients=%d clients (%s): a node that changed its client-id would count its data "
+                    "twice (check the nodes' client-id settings, or num-clients)", node, _short(cid),
+                    self.cfg.num_clients, ", ".join(_short(c) for c in sorted(self.ledger_versions)[:5])
+                    + (", ..." if len(self.ledger_versions) > 5 else ""))
+                continue
             if holder is not None:  # the old node is gone: a restarted client (new node id) takes its site over
                 log(INFO, "client '%s' moved from node %d to node %d", cid, holder, node)
                 del self.node_client[holder]

@@ -222,6 +222,27 @@ def test_a_second_live_node_cannot_take_over_a_connected_clients_id():
     assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
 
 
+def test_a_client_id_beyond_num_clients_is_not_admitted_to_the_ledger(caplog):
+    """num-clients is the number of partitions: a node with a new id once the ledger holds num-clients clients (a
+    node renamed, or a run resumed with other ids) is ignored; admitted, it counted its partition's points twice
+    (Gaussian location resumed with hosp-0..2 for site-0..2: posterior precision 201 for an exact 181)."""
+    from client.app import app as client_app
+    from strategies.inprocess import InProcessGrid
+    from tests.test_inprocess import BASE
+
+    raw = {**BASE, "num-server-rounds": 2}
+    cfg = parse_run_config(raw)
+    nodes = [{"partition-id": m, "num-partitions": 3, "client-id": f"site-{m}"} for m in range(3)]
+    renamed = {"partition-id": 0, "num-partitions": 3, "client-id": "hosp-0"}
+    grid = InProcessGrid(client_app, [*nodes, renamed], raw)
+    strategy = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    strategy.start(grid)
+    assert max(grid.contexts) not in strategy.node_client
+    assert strategy.ledger_versions == {f"site-{m}": 2 for m in range(3)}
+    assert max_natural_diff(strategy.state.posterior, expected_posterior(cfg, strategy.ledger_versions)) < 1e-9
+    assert "client id 'hosp-0' is not in the ledger, which already holds num-clients=3 clients" in caplog.text
+
+
 def test_run_stops_when_every_client_is_excluded():
     from strategies.pgvi import AllClientsFailed
 
