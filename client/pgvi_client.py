@@ -98,6 +98,15 @@ class PGVIClient(NumPyClient):
         ledger_tag = ledger_tag if isinstance(ledger_tag, str) else ""  # "" (an older server): versions decide
         if not self.state.reconcile(int(config.get("site-version", P.UNKNOWN_VERSION)), ledger_site, ledger_tag):
             return [], 0, self._reply(P.STATUS_RESYNC, self.state.version, config, "site does not match the ledger")
+        if self.state.site is not None and ledger_site is None:
+            # a state-dir reused by a run of another model holds a site of another layout, at a version (0) the
+            # ledger matches: every round failed on its shapes and the server never resent it
+            stored = self.state.site
+            why = (f"it holds arrays {sorted(stored)}, the model has {sorted(self.names)}"
+                   if set(stored) != set(self.names) else self._site_problem([stored[k] for k in self.names]))
+            if why is not None:
+                return [], 0, self._reply(P.STATUS_RESYNC, self.state.version, config,
+                                          f"the stored site does not fit this run ({why}): resend the site")
         try:
             posterior = self._factor(parameters[:n])
             site = self.problem.prior.from_numpy(self.state.site) if self.state.site is not None else self.problem.prior.zeros_like()

@@ -68,6 +68,27 @@ def test_a_resent_site_of_the_wrong_structure_is_asked_for_again_and_not_adopted
     assert client.state.version == 0 and client.state.site is None  # was: adopted as version 3, then failed for good
 
 
+@pytest.mark.parametrize("stored", [
+    {"eta1/theta": np.zeros(1), "eta2/theta": np.zeros(1)},  # a gaussian_location run's site (other names)
+    {"eta1": np.zeros(7), "eta2": np.zeros((7, 7))},  # the same names, another size
+])
+def test_a_stored_site_of_another_layout_at_the_ledgers_version_asks_for_the_site(stored):
+    """A state-dir reused by a run of another model: its version-0 site matched the ledger's version, every round
+    failed on its shapes (a failed reply, never a resync) and the client's data was never used."""
+    cfg = parse_run_config({"dataset": "synthetic_logistic_2d", "model": "logistic_regression",
+                            "family": "full_covariance", "num-clients": 2, "local-epochs": 2})
+    problem = build_problem(cfg)
+    client = PGVIClient(problem, client_shard(cfg, 0), "site-0", ClientState(site=stored, version=0), 0)
+    post = problem.prior.to_numpy()
+    config = {"server-round": 1, "rho": 0.5, "site-version": 0, "posterior-version": 0}
+    _, _, m = client.fit([post[k] for k in client.names], config)
+    assert m["status"] == P.STATUS_RESYNC and "the stored site does not fit this run" in m["reason"], m
+    uniform = {k: np.zeros_like(v) for k, v in post.items()}  # the server resends its ledger site
+    _, _, m = client.fit([post[k] for k in client.names] + [uniform[k] for k in client.names],
+                         {**config, "has-site": True})
+    assert m["status"] == P.STATUS_OK, m
+
+
 def test_a_posterior_narrower_than_the_scale_floor_is_a_failed_reply():
     cfg = parse_run_config({"dataset": "synthetic_gaussian_location", "model": "gaussian_location",
                             "divergence": "alpha_renyi", "divergence-alpha": 0.5, "num-clients": 2,
