@@ -24,20 +24,39 @@ _META_KEY = "__meta__"
 _TEMP_RANDOM = r"[a-z0-9_]{8}"
 
 
+#: Age (s) below which another writer's temp file is presumed in progress and kept by the clean-ups of a run's
+#: start (result files, client state, the checkpoint a run resumes from): a write takes about a second per 100 MB.
+STALE_TEMP_MIN_AGE_S = 600.0
+
+
 def _temp_affixes(path: Path) -> tuple[str, str]:
     """``(prefix, suffix)`` of the temp files :func:`atomic_write` creates for ``path``."""
     return f".{path.stem}.", ".tmp"
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` can only be read by setting it, a race with
+    other threads creating files); 0 where ``/proc`` does not say (Linux < 4.7, other systems)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int = 0o600) -> Path:
     """Call ``write(f)`` on a temp file beside ``path``, fsync it, then atomically replace ``path`` with it.
-    The file gets ``mode`` (default 0600: client state and checkpoints are private; result files pass 0644)."""
+    The file gets ``mode`` less the umask, as a file ``open`` creates (default 0600: client state and checkpoints
+    are private; result files pass 0644, so under umask 077 they are private too, as metrics.jsonl is)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     prefix, suffix = _temp_affixes(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
     try:
-        os.fchmod(fd, mode)
+        os.fchmod(fd, mode & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

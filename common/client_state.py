@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.atomic_io import atomic_save_npz, load_npz
+from common.atomic_io import STALE_TEMP_MIN_AGE_S, atomic_save_npz, load_npz, remove_stale_temp_files
 from common.protocol import UNKNOWN_VERSION, client_id_problem
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")  # as the file name itself (length: client_id_problem)
@@ -160,6 +160,7 @@ class ClientState:
         """The state saved for ``client_id``; a fresh one if there is none, or if the file cannot be read: then it
         is moved aside to ``<client-id>.npz.corrupt`` (one WARNING) and the server's ledger restores the site."""
         path = cls.path_for(state_dir, client_id)
+        remove_stale_temp_files(path, min_age_s=STALE_TEMP_MIN_AGE_S)  # a save killed mid-write left its temp file
         if not path.exists():
             return cls()
         try:

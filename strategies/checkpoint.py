@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from common.atomic_io import atomic_save_npz, load_npz, remove_stale_temp_files
+from common.atomic_io import STALE_TEMP_MIN_AGE_S, atomic_save_npz, load_npz, remove_stale_temp_files
 from common.errors import PGVIError
 from common.factors import product_of_sites
 from strategies.codec import _short
@@ -139,7 +139,7 @@ def _config_differences(ours: dict, theirs: dict) -> list[str]:
 #: Age (s) below which a checkpoint temp file in the directory a run resumes from is kept: that directory may be a
 #: live run's (a resume of a run that is still going), whose write in progress must not lose its temp file; a
 #: checkpoint write takes about a second per 100 MB.
-RESUME_TEMP_MIN_AGE_S = 600.0
+RESUME_TEMP_MIN_AGE_S = STALE_TEMP_MIN_AGE_S
 
 
 def remove_stale_temp_checkpoints(directory: str | os.PathLike, min_age_s: float = 0.0) -> tuple[int, int]:

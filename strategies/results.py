@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from logging import INFO
 from pathlib import Path
 
 import numpy as np
 from flwr.supercore import log
 
-from common.atomic_io import atomic_write
+from common.atomic_io import STALE_TEMP_MIN_AGE_S, atomic_write, remove_stale_temp_files
 from common.config import ConfigError
 from common.families import GaussianFactor
 from common.strict_json import dumps_json
@@ -62,11 +63,15 @@ class RoundRecorder:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for name in RESULT_FILES:
             (self.out_dir / name).unlink(missing_ok=True)
+        for name in (*RESULT_FILES, "run_config.json"):  # a killed run's temp files (a fresh write's are spared)
+            remove_stale_temp_files(self.out_dir / name, min_age_s=STALE_TEMP_MIN_AGE_S)
         self.rows: list[dict[str, float]] = []
         text = dumps_json(run_config, indent=2, sort_keys=True).encode()
         atomic_write(self.out_dir / "run_config.json", lambda f: f.write(text), mode=0o644)
         self._jsonl = self.out_dir / "metrics.jsonl"
-        self._jsonl.write_text("")
+        # a new file, never through a symlink left in a reused directory (it truncated the file it pointed to)
+        self._jsonl.unlink(missing_ok=True)
+        os.close(os.open(self._jsonl, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
         self._columns_shown: list[tuple[str, str, str]] = []
         self._csv_keys: list[str] | None = None  # the columns of metrics.csv as last written in full
 
@@ -75,7 +80,7 @@ class RoundRecorder:
 
     def record(self, rnd: int, row: dict[str, float]) -> None:
         self.rows.append(dict(row))
-        with self._jsonl.open("a") as f:
+        with os.fdopen(os.open(self._jsonl, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "a") as f:
             f.write(dumps_json(row) + "\n")
         self._update_csv(row)  # every round: a run that stops early (e.g. AllClientsFailed) still leaves its table
         cols = self._columns(row)

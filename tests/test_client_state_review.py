@@ -139,3 +139,18 @@ def test_environment_errors_are_raised_and_the_file_is_kept(tmp_path, monkeypatc
     with pytest.raises(OSError) as got:
         ClientState.load(tmp_path, "c0")
     assert got.value is err and path.exists() and not path.with_name(path.name + ".corrupt").exists()
+
+
+def test_a_save_killed_mid_write_leaves_no_temp_file_after_the_next_load(tmp_path):
+    """Each client kill mid-save left a state-sized temp file for good; the next load removes the old ones and
+    spares one a save in progress may be writing."""
+    import os
+    import time
+
+    ClientState(site={"eta1": np.ones(2), "eta2": -np.ones(2)}, version=2).save(tmp_path, "site-0")
+    old_tmp, fresh_tmp = tmp_path / ".site-0.abcd1234.tmp", tmp_path / ".site-0.efgh5678.tmp"
+    for t in (old_tmp, fresh_tmp):
+        t.write_bytes(b"partial")
+    os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))
+    assert ClientState.load(tmp_path, "site-0").version == 2
+    assert not old_tmp.exists() and fresh_tmp.exists()

@@ -171,3 +171,48 @@ def test_evaluate_posterior_refuses_a_bad_number_of_samples_for_every_model(mode
     x, y = (np.zeros((4, 0)), np.ones((4, 1))) if model == "gaussian_location" else (np.ones((4, 30)), np.array([0, 1] * 2))
     with pytest.raises(ValueError, match="n_samples must be an integer >= 1"):
         evaluate_posterior(problem, problem.prior, x, y, n_samples)
+
+
+def test_a_reused_output_dir_never_writes_through_a_metrics_symlink_and_loses_killed_temp_files(tmp_path):
+    """Review of stop 35: metrics.jsonl was truncated and appended to through a symlink left in a reused output
+    directory (every other record replaces its link), and a killed run's temp files stayed for good."""
+    import os
+    import time
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious data\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(victim)
+    old_tmp, fresh_tmp = out / ".metrics.k1ndpxti.tmp", out / ".summary.abcd1234.tmp"
+    for t in (old_tmp, fresh_tmp):
+        t.write_bytes(b"partial")
+    os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))  # a killed run's; the fresh one may be in progress
+    rec = RoundRecorder(out, {"seed": 0})
+    rec.record(1, {"round": 1, "test-accuracy": 0.5})
+    assert victim.read_text() == "precious data\n"
+    assert not (out / "metrics.jsonl").is_symlink()
+    assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not old_tmp.exists() and fresh_tmp.exists()
+
+
+def test_result_files_follow_the_umask(tmp_path):
+    """atomic_write set 0644 whatever the umask: under umask 077 metrics.jsonl and the checkpoint were private and
+    sites.npz (the same per-client sites) world-readable."""
+    import os
+    import stat
+
+    from common.atomic_io import atomic_write
+
+    old = os.umask(0o077)
+    try:
+        atomic_write(tmp_path / "a.json", lambda f: f.write(b"{}"), mode=0o644)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o600
+    os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "b.json", lambda f: f.write(b"{}"), mode=0o644)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "b.json").stat().st_mode) == 0o644
