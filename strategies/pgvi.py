@@ -1369,9 +1369,13 @@ class PGVIStrategy(Strategy):
                     self._reject(rnd, cid, node, f"reply claims client id {_short(reported)} but node {node} was "
                                  f"'{cid}': the node is asked who it is", stats, bad=False)
                     if self.ledger_versions.get(cid, 0):
+                        full = len(self.ledger_versions) >= self.cfg.num_clients
                         log(WARNING, "client '%s' (node %d until now) keeps its site (%d applied updates) in the "
-                            "posterior: if the node's data now stands behind another client id, it counts twice",
-                            cid, node, self.ledger_versions[cid])
+                            "posterior: %s", cid, node, self.ledger_versions[cid],
+                            f"a new client id is not admitted while the ledger holds num-clients="
+                            f"{self.cfg.num_clients} clients (restart the node with client-id '{cid}' to continue "
+                            f"its site)" if full else
+                            "if the node's data now stands behind another client id, it counts twice")
                     continue
                 if status == P.STATUS_RESYNC:
                     stats.resync += 1

@@ -16,6 +16,7 @@ in-process Grid (each test failed on the code before its fix):
 
 from __future__ import annotations
 
+import logging
 import time
 
 import httpx
@@ -153,7 +154,9 @@ def test_when_every_push_fails_the_stop_reason_names_the_push(schedule):
 
 
 # ============================================================================================ (5)
-def test_a_node_that_comes_back_with_another_client_id_is_identified_again_and_nobody_is_charged():
+def test_a_node_that_comes_back_with_another_client_id_is_asked_again_refused_and_nobody_is_charged(caplog):
+    """Same node id, new client-id while the ledger holds num-clients sites: the node's partition already stands behind
+    'site-0', so the new id is not admitted (it would count the partition twice); nobody is charged a bad reply."""
     cfg, strategy, grid = _setup({"num-server-rounds": 5, "max-bad-replies": 1, "exclusion-removes-site": True})
 
     def rename_after_round_2(rnd, row):
@@ -163,11 +166,16 @@ def test_a_node_that_comes_back_with_another_client_id_is_identified_again_and_n
             grid.contexts[node] = Context(1, node, config, RecordDict(), grid.run_config)  # same node id
 
     strategy.on_round_end = rename_after_round_2
-    strategy.start(grid)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(grid)
     assert strategy.bad_replies == {}
-    assert sorted(strategy.node_client.values()) == ["site-0-renamed", "site-1", "site-2"]
-    assert strategy.ledger_versions["site-0"] == 2 and strategy.ledger_versions["site-0-renamed"] >= 2
-    assert strategy.state.check_invariant() < 1e-12  # (the renamed node's data now stands behind two sites)
+    assert sorted(strategy.node_client.values()) == ["site-1", "site-2"]  # asked again, and refused
+    assert "site-0-renamed" not in strategy.ledger_versions
+    assert strategy.ledger_versions["site-0"] == 2 and strategy.ledger_versions["site-1"] == 5
+    assert strategy.state.check_invariant() < 1e-12
+    text = caplog.text
+    assert "is not in the ledger, which already holds num-clients=3" in text
+    assert "is not admitted while the ledger holds num-clients" in text  # the rename warning says what follows
 
 
 # ============================================================================================ client seeds
@@ -215,12 +223,15 @@ def test_an_invalid_reply_after_the_last_round_changes_nothing_recorded():
     assert all(torch.equal(recorded[2][k], final[k]) for k in final)
 
 
-def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch):
+@pytest.mark.parametrize("nodes", [3, 2])
+def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch, nodes):
+    """3 nodes for num-clients=3: the ledger is full and the new id is refused (the warning says how to continue); 2
+    nodes: the new id is admitted as a third client, and the warning says the partition may count twice."""
     import strategies.pgvi as pgvi_module
 
     logged: list[str] = []
     monkeypatch.setattr(pgvi_module, "log", lambda level, msg, *a: logged.append(msg % a if a else msg))
-    cfg, strategy, grid = _setup({"num-server-rounds": 3})
+    cfg, strategy, grid = _setup({"num-server-rounds": 3, "min-clients": 2}, n=nodes)
 
     def rename_after_round_1(rnd, row):
         if rnd == 1:
@@ -230,5 +241,11 @@ def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch
 
     strategy.on_round_end = rename_after_round_1
     strategy.start(grid)
-    assert any("client 'site-0'" in w and "keeps its site (1 applied updates)" in w and "counts twice" in w
-               for w in logged), logged
+    mine = [w for w in logged if "client 'site-0'" in w and "keeps its site (1 applied updates)" in w]
+    assert len(mine) == 1, logged
+    if nodes == 3:
+        assert "not admitted while the ledger holds num-clients=3" in mine[0] and "client-id 'site-0'" in mine[0]
+        assert "site-0-renamed" not in strategy.node_client.values()
+    else:
+        assert "counts twice" in mine[0]
+        assert "site-0-renamed" in strategy.node_client.values()
