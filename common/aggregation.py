@@ -48,10 +48,13 @@ Trade-offs, honestly:
   combination of ``q`` and ``q * Delta`` in natural parameters, and proper natural parameters form a convex
   set.)  The server therefore applies the credited Deltas with
   :meth:`common.factors.PGVIServerState.apply`, which checks the posterior after aggregation and rejects the
-  batch atomically if it is improper.  Before aggregating, the server also checks each received Delta on its own
-  (``PGVIStrategy._check_alone``: the posterior times that Delta alone must be proper) and rejects one that fails,
-  charging its client: such a Delta never reaches the aggregator, even where clipping would have made it
-  harmless, so the batch the median or trimmed mean sees is the one left after that check.
+  batch atomically if it is improper.  Where the server step is a closed form, the server also checks each
+  received Delta on its own before aggregating (``PGVIStrategy._check_alone``: ``posterior * Delta`` must be proper
+  for the KL step, ``posterior * Delta ** w`` for the weighted KL step) and rejects one that fails, charging its
+  client: such a Delta never reaches the aggregator, even where clipping would have made it harmless, so the
+  batch the median or trimmed mean sees is the one left after that check.  A server step solved by optimisation
+  is not run once per Delta beforehand: the batch's own step decides, and a Delta is blamed only after the batch
+  is rejected.
 
 All aggregators are deterministic, do not modify their inputs, and give bit-identical results whatever the order
 of the clients in the mapping (sorting is exact).  Credited Deltas are new factors, except that a Delta credited
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
@@ -250,7 +254,9 @@ class NormClip(Aggregator):
         """The clipping bound for a batch whose Deltas have these norms."""
         if self.max_norm is not None:
             return self.max_norm
-        return self.multiplier * _median(norms)
+        # at most float64's largest value: multiplier * median overflowed to inf (and a median of overflowing norms
+        # is inf), and an infinite bound credited every Delta unchanged, however large its norm
+        return min(self.multiplier * _median(norms), sys.float_info.max)
 
     def __call__(self, deltas: Mapping[str, GaussianFactor]) -> dict[str, GaussianFactor]:
         ids = check_batch(deltas)

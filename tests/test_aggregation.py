@@ -522,3 +522,22 @@ def test_norm_clip_scales_a_delta_whose_norm_is_beyond_float64_and_its_adaptive_
     credited = clip(big)
     assert float(credited["d"].params["eta1"][0]) == pytest.approx(1.25e308, rel=1e-12)  # scaled to the bound
     assert credited["c"] is big["c"] and credited["a"] is big["a"]
+
+
+def test_norm_clip_adaptive_bound_that_overflows_is_the_largest_float_not_inf():
+    # review of stop 35: multiplier * median overflowed to inf (2 x 1.3e308) and an infinite bound credited a Delta
+    # of norm beyond float64's range unchanged
+    import sys
+
+    from common.aggregation import NormClip
+
+    f64 = torch.float64
+    batch = {k: FullCovarianceGaussian(torch.tensor(v, dtype=f64), torch.zeros(2, 2, dtype=f64))
+             for k, v in (("a", [1.5e308, 1.5e308]), ("b", [1.2e308, 0.0]), ("c", [1.3e308, 0.0]))}
+    clip = NormClip(multiplier=2.0)
+    assert clip.bound([1.2e308, 1.3e308, float("inf")]) == sys.float_info.max
+    credited = clip(batch)
+    expected = sys.float_info.max / math.sqrt(2.0)
+    assert float(credited["a"].params["eta1"][0]) == pytest.approx(expected, rel=1e-12)
+    assert torch.isfinite(credited["a"].params["eta1"]).all()
+    assert credited["b"] is batch["b"] and credited["c"] is batch["c"]
