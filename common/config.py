@@ -437,11 +437,11 @@ class RunConfig(BaseModel):
         used = {"trimmed_mean": {"aggregator_trim"},
                 "norm_clip": {"aggregator_clip_norm"} | (set() if self.aggregator_clip_norm else
                                                          {"aggregator_clip_multiplier"})}.get(self.aggregator, set())
-        ignored = [f"{_hyphen(k)} = {getattr(self, k):g}"
-                   for k in ("aggregator_trim", "aggregator_clip_norm", "aggregator_clip_multiplier")
+        ignored = [k for k in ("aggregator_trim", "aggregator_clip_norm", "aggregator_clip_multiplier")
                    if k not in used and getattr(self, k) != defaults[k].default]
-        why = [f"{', '.join(ignored)} does nothing with aggregator '{self.aggregator}'"
-               + (" and a fixed aggregator-clip-norm" if self.aggregator == "norm_clip" else "")] if ignored else []
+        why = [f"{', '.join(f'{_hyphen(k)} = {getattr(self, k):g}' for k in ignored)} does nothing with aggregator "
+               f"'{self.aggregator}'" + (" and a fixed aggregator-clip-norm" if self.aggregator == "norm_clip"
+                                         and "aggregator_clip_multiplier" in ignored else "")] if ignored else []
         if (bounds := self._aggregator_bounds_nothing()) is not None:
             why.append(bounds)
         return "; ".join(why) or None

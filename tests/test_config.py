@@ -210,3 +210,14 @@ def test_a_robust_aggregator_that_cannot_bound_any_client_is_warned_about(overri
 
     why = parse_run_config(overrides).aggregator_warning()
     assert (why is None) if warned is None else (warned in why)
+
+
+def test_an_ignored_trim_with_norm_clip_does_not_blame_a_fixed_clip_norm():
+    from common.config import parse_run_config
+
+    why = parse_run_config({"aggregator": "norm_clip", "num-clients": 5, "aggregator-trim": 0.3}).aggregator_warning()
+    assert why == "aggregator-trim = 0.3 does nothing with aggregator 'norm_clip'"
+    why = parse_run_config({"aggregator": "norm_clip", "num-clients": 5, "aggregator-trim": 0.3,
+                            "aggregator-clip-norm": 5.0, "aggregator-clip-multiplier": 3.0}).aggregator_warning()
+    assert why == ("aggregator-trim = 0.3, aggregator-clip-multiplier = 3 does nothing with aggregator 'norm_clip' "
+                   "and a fixed aggregator-clip-norm")
