@@ -80,7 +80,8 @@ class RoundRecorder:
 
     def record(self, rnd: int, row: dict[str, float]) -> None:
         self.rows.append(dict(row))
-        with os.fdopen(os.open(self._jsonl, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "a") as f:
+        # (re)created if an operator deleted it mid-run (log rotation): the rows from then on are kept
+        with os.fdopen(os.open(self._jsonl, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a") as f:
             f.write(dumps_json(row) + "\n")
         self._update_csv(row)  # every round: a run that stops early (e.g. AllClientsFailed) still leaves its table
         cols = self._columns(row)

@@ -216,3 +216,13 @@ def test_result_files_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "b.json").stat().st_mode) == 0o644
+
+
+def test_a_metrics_jsonl_deleted_mid_run_is_recreated(tmp_path):
+    """An operator (or log rotation) removing metrics.jsonl between rounds made every later record() raise
+    FileNotFoundError and stop the run; the rows from then on are written to a new file."""
+    rec = RoundRecorder(tmp_path, {"seed": 0})
+    rec.record(1, {"round": 1, "test-accuracy": 0.5})
+    (tmp_path / "metrics.jsonl").unlink()
+    rec.record(2, {"round": 2, "test-accuracy": 0.6})
+    assert [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2]
