@@ -120,6 +120,8 @@ def sgd_epochs(model: DeterministicMLP, x: np.ndarray, y: np.ndarray, config: SG
     labels = torch.as_tensor(np.asarray(y))
     if len(labels) != len(xt):
         raise ValueError(f"sgd_epochs: {len(labels)} labels for {len(xt)} inputs")
+    if labels.dtype == torch.bool:  # binary labels as False / True: classes 0 / 1, as Problem.tensors reads them
+        labels = labels.to(torch.int64)
     # the BNN path's check: a label 0.6 was truncated to class 0 by the cast, one out of range an index error
     check_class_labels(labels, model.num_classes, "sgd_epochs")
     yt = labels.long()

@@ -91,6 +91,18 @@ def test_sgd_refuses_labels_the_bnn_path_refuses(y, match):
         sgd_epochs(DeterministicMLP(2, [], 2), np.ones((4, 2), np.float32), y, SGDConfig(epochs=1, batch_size=2))
 
 
+def test_sgd_reads_bool_labels_as_classes_0_and_1_like_the_bnn_path():
+    """Problem.tensors reads False / True as classes 0 / 1; sgd_epochs refused them (dtype torch.bool)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 2)).astype(np.float32)
+    y = x[:, 0] > 0
+    traces = []
+    for labels in (y, y.astype(np.int64)):
+        torch.manual_seed(0)
+        traces.append(sgd_epochs(DeterministicMLP(2, [], 2), x, labels, SGDConfig(epochs=3, batch_size=8, seed=1)))
+    assert traces[0] == traces[1]
+
+
 def test_predictions_of_no_points_have_the_class_dimension():
     assert predict_probs(DeterministicMLP(2, [3], 5), np.zeros((0, 2), np.float32)).shape == (0, 5)
 
