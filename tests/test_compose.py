@@ -439,7 +439,7 @@ def test_state_volumes_and_restart_policy(services, compose):
         assert svc["restart"] == "on-failure"
         assert int(svc["environment"]["SUPERNODE_RESTART_DELAY_S"]) >= 60
         script = svc["entrypoint"][2]
-        assert 'sleep "$${SUPERNODE_RESTART_DELAY_S}"' in script and 'exec flower-supernode "$$@"' in script
+        assert 'sleep "$${SUPERNODE_RESTART_DELAY_S}"' in script and 'flower-supernode "$$@" & child=$$!' in script
         assert svc["deploy"]["restart_policy"]["delay"] == "60s"
 
 
