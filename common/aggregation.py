@@ -54,7 +54,7 @@ Trade-offs, honestly:
   client: such a Delta never reaches the aggregator, even where clipping would have made it harmless, so the
   batch the median or trimmed mean sees is the one left after that check.  A server step solved by optimisation
   is not run once per Delta beforehand: the batch's own step decides, and a Delta is blamed only after the batch
-  is rejected.
+  is rejected.  Any other server step (a wrapper, a plug-in) is run with each Delta alone.
 
 All aggregators are deterministic, do not modify their inputs, and give bit-identical results whatever the order
 of the clients in the mapping (sorting is exact).  Credited Deltas are new factors, except that a Delta credited

@@ -47,10 +47,12 @@ _ROW_SUM_ATOL = 1e-4
 
 
 def _check_labels(y: np.ndarray, n: int, num_classes: int) -> np.ndarray:
-    """``n`` integer labels in ``[0, num_classes)`` as int64 (integral floats accepted), else ValueError."""
+    """``n`` integer labels in ``[0, num_classes)`` as int64 (integral floats and bools accepted), else ValueError."""
     labels = np.asarray(y)
     if labels.ndim != 1 or labels.shape[0] != n:
         raise ValueError(f"labels must have shape ({n},), got {labels.shape}")
+    if labels.dtype == np.bool_:  # binary labels as False / True: classes 0 / 1, as Problem.tensors reads them
+        labels = labels.astype(np.int64)
     if not np.issubdtype(labels.dtype, np.integer):
         if np.issubdtype(labels.dtype, np.floating) and np.all(labels == np.round(labels)):
             labels = labels.astype(np.int64)

@@ -55,12 +55,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prior-var", type=float, default=4.0)
     ap.add_argument("--epochs", type=int, default=3000)
     ap.add_argument("--samples", type=int, nargs="+", default=[10, 50, 200])
-    ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--seeds", type=int, default=6, help="at least 2 (an sd is printed)")
     ap.add_argument("--points", type=int, default=180)
     ap.add_argument("--beta", type=float, default=1.5)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--patience", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.seeds < 2:
+        ap.error(f"--seeds must be at least 2 (the sd over seeds is printed), got {args.seeds}")
     torch.set_num_threads(1)
     dt, sigma = torch.float64, 1.0
     x = torch.tensor(np.random.default_rng(0).normal(1.5, 1.0, size=args.points), dtype=dt)

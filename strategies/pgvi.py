@@ -1369,7 +1369,9 @@ class PGVIStrategy(Strategy):
                     self._reject(rnd, cid, node, f"reply claims client id {_short(reported)} but node {node} was "
                                  f"'{cid}': the node is asked who it is", stats, bad=False)
                     if self.ledger_versions.get(cid, 0):
-                        full = len(self.ledger_versions) >= self.cfg.num_clients
+                        # an id already in the ledger can be admitted (its node gone): then the partition counts twice
+                        full = (reported not in self.ledger_versions
+                                and len(self.ledger_versions) >= self.cfg.num_clients)
                         log(WARNING, "client '%s' (node %d until now) keeps its site (%d applied updates) in the "
                             "posterior: %s", cid, node, self.ledger_versions[cid],
                             f"a new client id is not admitted while the ledger holds num-clients="

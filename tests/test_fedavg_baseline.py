@@ -371,3 +371,12 @@ def test_a_last_step_that_overflows_the_weights_raises_instead_of_sending_them()
     m = DeterministicMLP(5, [4], 3)
     with pytest.raises(FloatingPointError, match="non-finite parameters after the last step: layers.0.weight"):
         sgd_epochs(m, x, y, SGDConfig(lr=1e37, momentum=0.0, weight_decay=0.0, epochs=1, batch_size=64, seed=0))
+
+
+def test_fedavg_evaluation_reads_bool_labels_like_training():
+    """Review of stop 35: sgd_epochs took bool labels, the evaluation metrics refused them (dtype bool)."""
+    from common.metrics import classification_metrics_from_log_probs
+
+    lp = torch.log_softmax(torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), dim=-1).numpy()
+    y = np.array([False, True, True])
+    assert classification_metrics_from_log_probs(lp, y) == classification_metrics_from_log_probs(lp, y.astype(int))

@@ -223,10 +223,12 @@ def test_an_invalid_reply_after_the_last_round_changes_nothing_recorded():
     assert all(torch.equal(recorded[2][k], final[k]) for k in final)
 
 
-@pytest.mark.parametrize("nodes", [3, 2])
-def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch, nodes):
+@pytest.mark.parametrize("nodes, new_id", [(3, "site-0-renamed"), (2, "site-0-renamed"), (3, "site-1")])
+def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch, nodes, new_id):
     """3 nodes for num-clients=3: the ledger is full and the new id is refused (the warning says how to continue); 2
-    nodes: the new id is admitted as a third client, and the warning says the partition may count twice."""
+    nodes: the new id is admitted as a third client, and the warning says the partition may count twice; renamed
+    to an id already in the ledger (admitted once its node is gone, here refused since it is connected): the
+    warning says 'counts twice', not that the id is refused for a full ledger."""
     import strategies.pgvi as pgvi_module
 
     logged: list[str] = []
@@ -236,14 +238,16 @@ def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch
     def rename_after_round_1(rnd, row):
         if rnd == 1:
             node = next(n for n, c in grid.contexts.items() if c.node_config["client-id"] == "site-0")
-            config = dict(grid.contexts[node].node_config, **{"client-id": "site-0-renamed"})
+            config = dict(grid.contexts[node].node_config, **{"client-id": new_id})
             grid.contexts[node] = Context(1, node, config, RecordDict(), grid.run_config)
 
     strategy.on_round_end = rename_after_round_1
     strategy.start(grid)
     mine = [w for w in logged if "client 'site-0'" in w and "keeps its site (1 applied updates)" in w]
     assert len(mine) == 1, logged
-    if nodes == 3:
+    if new_id == "site-1":
+        assert "counts twice" in mine[0] and "not admitted" not in mine[0]
+    elif nodes == 3:
         assert "not admitted while the ledger holds num-clients=3" in mine[0] and "client-id 'site-0'" in mine[0]
         assert "site-0-renamed" not in strategy.node_client.values()
     else:
