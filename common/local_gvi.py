@@ -632,7 +632,8 @@ def _finite_float(expected: Tensor, div: Tensor, where: str) -> float:
 
 
 def _select_path(obj: _Objective, q: VariationalGaussian, config: LocalGVIConfig) -> str:
-    if config.closed_form and hasattr(obj.loss, "quadratic"):
+    # (a model that is not a LikelihoodModel is asked, as before the flag existed)
+    if config.closed_form and hasattr(obj.loss, "quadratic") and getattr(obj.model, "has_quadratic_losses", True):
         # formed from the data in float64 and kept there (QuadraticLoss.expectation evaluates in float64 and returns
         # the mean's dtype): in float32 the sums of y and y^2 behind its shift and constant round at the scale of
         # the whole data set, which its terms then cancel down from

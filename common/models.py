@@ -54,6 +54,10 @@ class LikelihoodModel(ABC):
 
     name: str = "model"
     param_shapes: dict[str, tuple[int, ...]]
+    #: whether :meth:`nll_quadratic` / :meth:`score_matching_quadratic` can return a quadratic: the local optimiser
+    #: asks before it copies a client's data to float64 to form one (a BNN's 20,000 x 784 inputs were copied once
+    #: per local update for nothing: +115 MiB peak RSS and 30,000 page faults in bench_core's one-epoch updates)
+    has_quadratic_losses: bool = False
 
     @abstractmethod
     def output(self, theta: Mapping[str, Tensor], x: Tensor | None) -> LikelihoodOutput:
@@ -161,6 +165,8 @@ class LinearGaussianModel(LikelihoodModel):
       ``P = sum 2 w^2 A^T A / sigma^4``, ``h = sum A^T (2 w^2 y / sigma^4 - 4 w g / sigma^2)``,
       ``c = sum (w^2 ||y||^2 / sigma^4 - 4 w g.y / sigma^2 - 2 D w^2 / sigma^2)``.
     """
+
+    has_quadratic_losses = True
 
     sigma: float
     event_dim: int
