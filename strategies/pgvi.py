@@ -1370,7 +1370,8 @@ class PGVIStrategy(Strategy):
                                  f"'{cid}': the node is asked who it is", stats, bad=False)
                     if self.ledger_versions.get(cid, 0):
                         # an id already in the ledger can be admitted (its node gone): then the partition counts twice
-                        full = (reported not in self.ledger_versions
+                        # (a reported id that is not a string, e.g. a list, is no id: never in the ledger)
+                        full = (not (isinstance(reported, str) and reported in self.ledger_versions)
                                 and len(self.ledger_versions) >= self.cfg.num_clients)
                         log(WARNING, "client '%s' (node %d until now) keeps its site (%d applied updates) in the "
                             "posterior: %s", cid, node, self.ledger_versions[cid],

@@ -253,3 +253,25 @@ def test_a_renamed_nodes_old_client_keeping_its_site_is_warned_about(monkeypatch
     else:
         assert "counts twice" in mine[0]
         assert "site-0-renamed" in strategy.node_client.values()
+
+
+def test_a_reply_whose_client_id_is_not_a_string_is_one_rejection_after_an_applied_update():
+    """CI fuzz of stop 35: a reply claiming client id ['x'] (a list) from a client with applied updates made the
+    rename warning test the list for membership in the ledger (TypeError): the reply was rejected twice."""
+    done = {"n": 0}
+
+    def hook(request, reply):
+        if request.metadata.message_type != "train" or reply.has_error() or done["n"]:
+            return [reply]
+        cfg = reply.content[P.CONFIG]
+        if cfg.get("client-id") != "site-1" or request.content[P.CONFIG].get("server-round", 0) < 2:
+            return [reply]
+        done["n"] += 1
+        cfg["client-id"] = ["x"]
+        return [reply]
+
+    cfg, strategy, grid = _setup({"num-server-rounds": 3, "min-clients": 2}, reply_hook=hook)
+    strategy.start(grid)
+    assert done["n"] == 1
+    row = next(r for r in strategy.history if r["round"] == 2)
+    assert row["rejected"] == 1 and row["applied"] == 2, row
