@@ -992,6 +992,8 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
     torch_build = _torch_build()
     print(f"simulation venv: {Path(sys.executable).parent.parent} (flwr, the SuperLink, flwr-simulation and Ray's "
           f"workers all run from it); torch {torch_build}", flush=True)
+    print("Ray head: " + ("simulate.py's lean head (scripts/lean_ray.py), started before `flwr run`" if args.sim_lean_ray
+                          else "the one Flower's ray.init starts in flwr-simulation"), flush=True)
     up0 = uptime_line()
     print(f"uptime before: {up0}", flush=True)
     token = secrets.token_hex(8)
@@ -1013,7 +1015,8 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
     sampler.start()
     try:
         res = run_simulation(run_config, args.sim_clients, wd, num_cpus_per_client=args.sim_cpus_per_client,
-                             timeout=args.run_timeout, preexec_fn=None if cgroup is None else cgroup.join)
+                             timeout=args.run_timeout, preexec_fn=None if cgroup is None else cgroup.join,
+                             lean_ray=args.sim_lean_ray)
     finally:
         sampler.stop()
         watcher.stop()
@@ -1040,7 +1043,7 @@ def bench_simulation(args: argparse.Namespace) -> dict[str, Any]:
         agg[2] += p.cpu_last
         agg[3] = max(agg[3], p.pss_peak / MB)
     result = {
-        "run-config": run_config, "python": sys.executable, "torch": torch_build, "status": res["status"], "details": res.get("status-details", ""),
+        "run-config": run_config, "python": sys.executable, "torch": torch_build, "lean-ray": args.sim_lean_ray, "status": res["status"], "details": res.get("status-details", ""),
         "seconds": res["seconds"], "peak-rss-sum-mb": sampler.peak_rss / MB, "peak-pss-sum-mb": sampler.peak_pss / MB,
         "peak-composition": sampler.peak_rss_parts, "roles": by_role, "processes": len(sampler.procs),
         "rounds": [{"round": int(r["round"]), "t": t - first, "sent": r.get("sent"), "applied": r.get("applied"),
@@ -1324,6 +1327,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tree is charged for the libraries it loads")
     ap.add_argument("--sim-cpus-per-client", type=float, default=1.0,
                     help="Ray CPUs per ClientApp actor: 1 = one actor per core; 2 on this machine = one actor")
+    ap.add_argument("--sim-lean-ray", action="store_true",
+                    help="part 2: run on simulate.py's lean Ray head (--lean-ray; scripts/lean_ray.py), whose "
+                         "processes are counted in the tree like those of the head Flower's ray.init starts")
     ap.add_argument("--client-venv", type=Path, default=Path("/tmp/pgvi-client-venv"))
     ap.add_argument("--fresh-client-venv", action="store_true", help="delete and re-create the client venv")
     ap.add_argument("--torch-cpu-spec", default="torch==2.13.0")
@@ -1342,6 +1348,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--client-venv must be outside the repository")
     parts = [p for p in ("client_rss", "network", "simulation", "latency") if getattr(args, p)] or [
         "client_rss", "network", "simulation"]
+    if args.sim_lean_ray and "simulation" not in parts:
+        ap.error("--sim-lean-ray applies to part 2 (--simulation)")
     args.sim_cgroup = args.sim_cgroup or args.sim_memory_limit_mb is not None  # a limit implies the cgroup
     if args.sim_cgroup:
         if "simulation" not in parts:

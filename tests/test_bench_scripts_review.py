@@ -6,6 +6,7 @@ test, bench_core's heavy steps are replaced."""
 from __future__ import annotations
 
 import math
+import json
 import os
 import resource
 import secrets
@@ -87,6 +88,26 @@ def test_simulation_pss_label_says_pages_are_split_outside_the_tree(tmp_path, mo
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("peak memory"))
     assert "outside the tree" in line
     assert "counts shared pages once" not in bn.__doc__
+
+
+def test_sim_lean_ray_reaches_run_simulation_and_the_report_and_needs_the_simulation_part(tmp_path, monkeypatch,
+                                                                                          capsys):
+    import scripts.simulate as sim
+
+    seen = []
+    monkeypatch.setattr(sim, "run_simulation", lambda *_a, **k: seen.append(k["lean_ray"]) or
+                        {"status": "finished:completed", "status-details": "stub", "seconds": 0.1})
+    for flags in ([], ["--sim-lean-ray"]):
+        assert bn.main(["--simulation", *flags, "--workdir", str(tmp_path / str(len(flags)))]) == 0
+    assert seen == [False, True]
+    out = capsys.readouterr().out
+    assert "Ray head: the one Flower's ray.init starts in flwr-simulation" in out
+    assert "Ray head: simulate.py's lean head (scripts/lean_ray.py)" in out
+    assert json.loads((tmp_path / "1" / "bench_network.json").read_text())["simulation"]["lean-ray"] is True
+    with pytest.raises(SystemExit) as exc:
+        bn.main(["--network", "--sim-lean-ray", "--workdir", str(tmp_path / "x")])
+    assert exc.value.code == 2
+    assert "--sim-lean-ray applies to part 2 (--simulation)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ marker race

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scripts import simulate
+from scripts.lean_ray import LeanRayError
 
 REPO = Path(__file__).resolve().parents[1]
 STARTED_LOG = "Successfully started run 7\nStarting logstream for run_id `7`\nINFO :      PGVI finished\n"
@@ -367,3 +368,47 @@ def test_run_main_sh_lets_simulate_py_choose_the_supernodes(tmp_path):
                    env={**os.environ, "ARGS_OUT": str(out)}, check=True, timeout=30)
     assert out.read_text().splitlines() == ["scripts/simulate.py", "--out", "runs/main", "-c",
                                             "num-clients=4 min-clients=4"]
+
+
+# ----------------------------------------------------------------------------- 5. --lean-ray (tests/test_lean_ray.py runs it for real)
+
+
+@pytest.fixture
+def fake_lean_head(monkeypatch):
+    """``start_lean_ray_head`` faked: records the environment and temp dir it is given; ``state["fail"]`` makes it
+    raise LeanRayError."""
+    state: dict = {"calls": []}
+
+    def fake_start(env, port, agent_port, temp_dir, **kw):
+        state["calls"].append({"env": env, "temp_dir": Path(temp_dir), "existed": Path(temp_dir).is_dir()})
+        if "fail" in state:
+            raise LeanRayError(state["fail"])
+        return f"127.0.0.1:{port}"
+
+    monkeypatch.setattr(simulate, "start_lean_ray_head", fake_start)
+    return state
+
+
+def test_lean_ray_starts_a_head_that_flwr_run_joins_and_removes_its_temp_dir(fake_flwr, fake_lean_head, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    seen = []
+    fake_flwr["on_run"] = lambda cmd, env: seen.append(env.get("RAY_ADDRESS")) or STARTED_LOG
+    assert _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 0
+    assert fake_lean_head["calls"] == [] and seen == [None]  # not asked for: Flower's own ray.init
+    assert _main(monkeypatch, "--lean-ray", "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 0
+    (call,) = fake_lean_head["calls"]
+    assert call["existed"] and not call["temp_dir"].exists()  # made before the start, removed by the cleanup
+    assert call["env"]["FLWR_HOME"] == str(tmp_path / "sim" / "flwr-home")  # the FLWR_HOME scan finds it too
+    assert call["env"][simulate.LEAN_RAY_MARKER]
+    assert seen[1] is not None and seen[1].startswith("127.0.0.1:")
+
+
+def test_a_lean_head_that_cannot_start_is_one_error_and_no_run(fake_flwr, fake_lean_head, tmp_path, monkeypatch,
+                                                               capsys):
+    fake_lean_head["fail"] = "`ray start --head` failed (exit 1): boom"
+    assert _main(monkeypatch, "--lean-ray", "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 1
+    err = capsys.readouterr().err
+    assert "simulate.py: error: `ray start --head` failed (exit 1): boom" in err
+    assert fake_flwr["runs"] == []
+    assert not fake_lean_head["calls"][0]["temp_dir"].exists()

@@ -1,0 +1,133 @@
+"""A private, lean Ray head for Flower's simulation engine (``simulate.py --lean-ray``).
+
+Flower 1.39's Ray backend calls ``ray.init(include_dashboard=False, ...)``, which starts a head with seven
+processes besides the client actors: GCS, raylet, the dashboard agent and the runtime-env agent (the raylet's
+two agents), the dashboard API server (started even with ``include_dashboard=False``), the autoscaler monitor and
+the log monitor.  A single-host simulation needs only the first four: nothing autoscales, the drivers' logs are in
+Flower's own log, and nothing asks the dashboard's REST API.  On this project's 1,000-client benchmark the other
+three held about 260 MB of resident memory (docs/bench_network.md, section 2g).  ``ray.init`` takes no option
+that leaves them out.
+
+:func:`start_lean_ray_head` starts the head with ``ray start --head`` in a child process, with the autoscaler
+monitor (``--no-monitor``) and the log monitor (``--include-log-monitor=false``) off and two of Ray's own steps
+left out (see :data:`_PATCHES`): the Ray Client server (which ``ray start`` starts whenever Ray Client's
+dependencies are installed; no flag turns it off) and the dashboard API server.  ``ray start`` returns once the
+head is up; its processes run on, detached.  Flower's ``ray.init`` then joins the head through ``RAY_ADDRESS``
+(``ray.init`` reads it when no address is given), so its driver starts no head of its own.
+
+The head keeps everything in a temp dir of its own (its sessions, sockets and ``ray_current_cluster`` file), never
+in Ray's default ``/tmp/ray``: a plain ``ray.init()`` elsewhere on the machine neither finds nor joins it.
+Stopping it is the caller's: the head's GCS and raylet inherit the environment it was started with, so a marker
+variable in it finds them, and the raylet's children are the rest (Ray's agents and workers overwrite their
+environment with their process titles).  ``simulate.py`` does so, with a short grace: Ray's GCS server ignores
+SIGTERM.
+
+Usage as a script (what :func:`start_lean_ray_head` runs): ``python scripts/lean_ray.py --port P --temp-dir D
+[--num-cpus N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["LeanRayError", "start_lean_ray_head"]
+
+#: What the launcher leaves out of ``ray start --head``, as (module, attribute, replacement) for each of Ray's
+#: own steps it replaces.  The names are those of Ray 2.55 (the version flwr[simulation] 1.39 installs); the
+#: launcher refuses a Ray without them instead of starting a head with everything.
+_PATCHES = (
+    # ``ray start`` turns the Ray Client server on when this returns None (its dependencies importable)
+    ("ray.scripts.scripts", "get_ray_client_dependency_error", lambda: "left out by scripts/lean_ray.py"),
+    # the dashboard API server (Node.start_head_processes calls it whatever include_dashboard says)
+    ("ray._private.node", "Node.start_api_server", lambda self, **_: None),
+)
+START_TIMEOUT_S = 120.0
+
+
+class LeanRayError(RuntimeError):
+    """The lean Ray head could not be started (the message holds the end of ``ray start``'s output)."""
+
+
+def _patch_ray() -> None:
+    import importlib
+
+    for module_name, attr, replacement in _PATCHES:
+        owner: object = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not callable(getattr(owner, name, None)):
+            import ray
+
+            raise LeanRayError(f"Ray {ray.__version__} has no {module_name}.{attr}: --lean-ray supports the Ray "
+                               "that flwr[simulation] 1.39 installs (2.55); run without --lean-ray")
+        setattr(owner, name, replacement)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="start a lean Ray head (see the module docstring) and return")
+    ap.add_argument("--port", type=int, required=True, help="GCS port")
+    ap.add_argument("--temp-dir", required=True)
+    ap.add_argument("--num-cpus", type=int, default=None, help="default: what Ray detects")
+    ap.add_argument("--dashboard-agent-listen-port", type=int, required=True)
+    args = ap.parse_args(argv)
+    try:
+        _patch_ray()
+    except LeanRayError as err:
+        print(f"lean_ray.py: error: {err}", file=sys.stderr)
+        return 2
+    from ray.scripts import scripts
+
+    # the head advertises the loopback address (its GCS and raylet still listen on every interface, as those of
+    # the head Flower's own ray.init starts do)
+    cmd = ["start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(args.port), "--temp-dir",
+           args.temp_dir, "--no-monitor",
+           "--include-log-monitor=false", "--include-dashboard=false", "--disable-usage-stats",
+           "--dashboard-agent-listen-port", str(args.dashboard_agent_listen_port)]
+    if args.num_cpus is not None:
+        cmd += ["--num-cpus", str(args.num_cpus)]
+    try:
+        scripts.cli.main(args=cmd, prog_name="ray")  # click exits: 0 once the head is up
+    except SystemExit as err:
+        return err.code if isinstance(err.code, int) else 1
+    return 0
+
+
+def start_lean_ray_head(env: dict[str, str], port: int, agent_port: int, temp_dir: Path, *,
+                        num_cpus: int | None = None, timeout: float = START_TIMEOUT_S,
+                        preexec_fn: Callable[[], None] | None = None) -> str:
+    """Start the lean head (GCS on 127.0.0.1:``port``, the dashboard agent on ``agent_port``) with ``env``, which
+    its processes inherit, and its sessions, sockets and logs in ``temp_dir`` (an existing directory; Ray's
+    socket paths must stay under 108 bytes).  Returns the address: ``RAY_ADDRESS=address`` makes ``ray.init()``
+    join it.  ``preexec_fn`` runs in the launcher before it starts (e.g. joining a memory cgroup, which the
+    head's processes then inherit).  :class:`LeanRayError` if ``ray start`` fails or takes longer than
+    ``timeout`` s.  Stopping the head (see the module docstring) and removing ``temp_dir`` are the caller's,
+    whether or not it started."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--temp-dir", str(temp_dir),
+           "--dashboard-agent-listen-port", str(agent_port)]
+    if num_cpus is not None:
+        cmd += ["--num-cpus", str(num_cpus)]
+    env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)  # `ray start --head` must not be pointed at another cluster
+    try:
+        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=preexec_fn, check=False)
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout or ""
+        raise LeanRayError(f"the lean Ray head did not start within {timeout:g} s: "
+                           f"{_tail(out if isinstance(out, str) else out.decode(errors='replace'))}") from None
+    if done.returncode != 0:
+        raise LeanRayError(f"`ray start --head` failed (exit {done.returncode}): {_tail(done.stdout + done.stderr)}")
+    return f"127.0.0.1:{port}"
+
+
+def _tail(text: str, lines: int = 8) -> str:
+    return " | ".join(ln.strip() for ln in text.strip().splitlines()[-lines:]) or "(no output)"
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

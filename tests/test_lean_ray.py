@@ -1,0 +1,133 @@
+"""scripts/lean_ray.py (a Ray head without the processes a one-host simulation does not use) and
+``simulate.py --lean-ray``: the head runs exactly GCS, raylet and the raylet's two agents; Flower's simulation on it
+gives the in-process run's posterior; the cleanup leaves nothing of it, also when it failed to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scripts import lean_ray, simulate
+from scripts.lean_ray import LeanRayError, start_lean_ray_head
+from tests.test_inprocess import BASE, TEXTBOOK_PARITY_CASES, run
+
+pytestmark = pytest.mark.slow
+
+#: the processes a lean head runs, by a word of their command line; and those of the head Flower's ray.init
+#: starts that it leaves out
+KEPT = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+LEFT_OUT = ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py",
+            "ray.util.client.server")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _head_family(marker: str) -> list[int]:
+    head = simulate._pids_with_env(simulate.LEAN_RAY_MARKER, marker)
+    return [p for p in dict.fromkeys([*head, *(c for p in head for c in simulate._children(p))])
+            if not simulate._stat_fields(p) or simulate._stat_fields(p)[0] != "Z"]
+
+
+def _kill(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start(marker: str, temp_dir: Path, **kw) -> str:
+    env = {**os.environ, **simulate.FLWR_ENV, simulate.LEAN_RAY_MARKER: marker}
+    return start_lean_ray_head(env, simulate.free_port(), simulate.free_port(), temp_dir, **kw)
+
+
+def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it():
+    head = simulate.LeanHead("t1-" + os.urandom(4).hex(), Path(tempfile.mkdtemp(prefix="pgvi-ray-")))
+    try:
+        address = _start(head.marker, head.temp_dir)
+        assert address.startswith("127.0.0.1:")
+        end = time.time() + 60  # ray start returns once the raylet is up; it starts its agents right after
+        while time.time() < end:
+            cmds = [_cmdline(p) for p in _head_family(head.marker)]
+            if all(any(k in c for c in cmds) for k in KEPT):
+                break
+            time.sleep(0.5)
+        assert sorted(k for c in cmds for k in KEPT if k in c) == sorted(KEPT), cmds
+        assert len(cmds) == len(KEPT), cmds  # nothing else: no monitor, log monitor, dashboard or client server
+        assert not [c for c in cmds for k in LEFT_OUT if k in c]
+        assert (head.temp_dir / "ray_current_cluster").read_text().strip().endswith(address.split(":")[1])
+        t0 = time.time()
+        simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
+        assert time.time() - t0 < simulate.LEAN_RAY_STOP_GRACE_S + 5  # the GCS ignores SIGTERM: killed after the grace
+        assert _head_family(head.marker) == []
+        assert not head.temp_dir.exists()
+    finally:
+        _kill(_head_family(head.marker))
+
+
+def test_a_head_that_cannot_start_is_one_error_with_rays_output_and_the_cleanup_stops_what_it_started():
+    head = simulate.LeanHead("t2-" + os.urandom(4).hex(), Path(tempfile.mkdtemp(prefix="pgvi-ray-")))
+    try:
+        with pytest.raises(LeanRayError, match=r"ray start --head` failed \(exit 1\).*nonnegative"):
+            _start(head.marker, head.temp_dir, num_cpus=-1)  # refused by Ray after its GCS has started
+        simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
+        assert _head_family(head.marker) == []
+        assert not head.temp_dir.exists()
+    finally:
+        _kill(_head_family(head.marker))
+
+
+def test_the_launcher_refuses_a_ray_without_the_steps_it_leaves_out(monkeypatch, capsys):
+    monkeypatch.setattr(lean_ray, "_PATCHES", (("ray._private.node", "Node.no_such_step", lambda self: None),))
+    with pytest.raises(LeanRayError, match=r"has no ray\._private\.node\.Node\.no_such_step.*without --lean-ray"):
+        lean_ray._patch_ray()
+    assert lean_ray._main(["--port", "1", "--temp-dir", "/nonexistent", "--dashboard-agent-listen-port", "2"]) == 2
+    assert "no ray._private.node.Node.no_such_step" in capsys.readouterr().err
+
+
+def test_a_simulation_on_the_lean_head_gives_the_inprocess_posterior_and_leaves_nothing(tmp_path, monkeypatch):
+    started: list[str] = []
+    real_start = simulate.start_lean_ray_head
+
+    def recording_start(env, *a, **kw):
+        started.append(env[simulate.LEAN_RAY_MARKER])
+        return real_start(env, *a, **kw)
+
+    monkeypatch.setattr(simulate, "start_lean_ray_head", recording_start)
+    drivers: list[str] = []  # the drivers that joined the head (Flower's ray.init), read just before the cleanup
+    real_cleanup = simulate._cleanup
+
+    def cleanup(*a):
+        drivers.extend(p.name for p in ray_tmp.glob("session_latest/logs/python-core-driver-*"))
+        real_cleanup(*a)
+
+    monkeypatch.setattr(simulate, "_cleanup", cleanup)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="pgvi-ray-t"))  # short: Ray's socket paths must stay under 108 bytes
+    monkeypatch.setattr(simulate.tempfile, "mkdtemp", lambda prefix: str(ray_tmp))  # to check its removal
+    overrides = {**TEXTBOOK_PARITY_CASES["sync-nll"], "num-server-rounds": 2, "dtype": "float64",
+                 "evaluate-clients": False, "wait-for-clients-s": 180, "round-timeout-s": 120}
+    raw = {**BASE, **overrides}
+    res = simulate.run_simulation(raw, num_supernodes=raw["num-clients"], workdir=tmp_path / "sim", timeout=900,
+                                  lean_ray=True)
+    assert res["status"] == "finished:completed", res["log"].read_text()[-3000:]
+    assert len(started) == 1
+    assert len(drivers) == 1, drivers  # flwr-simulation's ray.init joined the lean head, not a head of its own
+    assert _head_family(started[0]) == [] and not ray_tmp.exists()
+    post = dict(np.load(res["out_dir"] / "posterior.npz"))
+    summary = json.loads((res["out_dir"] / "summary.json").read_text())
+    _, strategy, _ = run(overrides)
+    assert summary["ledger-versions"] == strategy.ledger_versions
+    for k, v in strategy.state.posterior.to_numpy().items():
+        np.testing.assert_allclose(post[k], v, rtol=0, atol=1e-6 * max(1.0, float(np.abs(v).max())))
