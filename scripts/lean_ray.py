@@ -98,12 +98,13 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def start_lean_ray_head(env: dict[str, str], port: int, agent_port: int, temp_dir: Path, *,
-                        num_cpus: int | None = None, timeout: float = START_TIMEOUT_S,
+                        num_cpus: int | None = None, timeout: float = START_TIMEOUT_S, cwd: Path | None = None,
                         preexec_fn: Callable[[], None] | None = None) -> str:
     """Start the lean head (GCS on 127.0.0.1:``port``, the dashboard agent on ``agent_port``) with ``env``, which
     its processes inherit, and its sessions, sockets and logs in ``temp_dir`` (an existing directory; Ray's
     socket paths must stay under 108 bytes).  Returns the address: ``RAY_ADDRESS=address`` makes ``ray.init()``
-    join it.  ``preexec_fn`` runs in the launcher before it starts (e.g. joining a memory cgroup, which the
+    join it.  ``cwd``: the working directory of the head's processes and so of every worker (client actor) it
+    starts (default: this process's).  ``preexec_fn`` runs in the launcher before it starts (e.g. joining a memory cgroup, which the
     head's processes then inherit).  :class:`LeanRayError` if ``ray start`` fails or takes longer than
     ``timeout`` s.  Stopping the head (see the module docstring) and removing ``temp_dir`` are the caller's,
     whether or not it started."""
@@ -114,7 +115,7 @@ def start_lean_ray_head(env: dict[str, str], port: int, agent_port: int, temp_di
     env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)  # `ray start --head` must not be pointed at another cluster
     try:
-        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        done = subprocess.run(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout, preexec_fn=preexec_fn, check=False)
     except subprocess.TimeoutExpired as err:
         out = err.stdout or ""

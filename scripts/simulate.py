@@ -506,9 +506,12 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
         if lean_ray:
             # (under the system's temp dir, not workdir: Ray's socket paths must stay under 108 bytes)
             ray_head = LeanHead(secrets.token_hex(8), Path(tempfile.mkdtemp(prefix="pgvi-ray-")))
-            # with the simulation's FLWR_HOME in its environment too: the FLWR_HOME scan finds what is left of it
-            address = start_lean_ray_head({**env, LEAN_RAY_MARKER: ray_head.marker}, free_port(), free_port(),
-                                          ray_head.temp_dir, preexec_fn=preexec_fn)
+            # without the simulation's FLWR_HOME: the stop of a SuperLink Flower gave up on (below) ends every
+            # process of FLWR_HOME, and the second `flwr run` needs the head; in ROOT, where `flwr run` starts
+            # the SuperLink and so Flower's own head and workers, so that relative paths resolve alike
+            head_env = {k: v for k, v in env.items() if k != "FLWR_HOME"}
+            address = start_lean_ray_head({**head_env, LEAN_RAY_MARKER: ray_head.marker}, free_port(), free_port(),
+                                          ray_head.temp_dir, cwd=ROOT, preexec_fn=preexec_fn)
             env["RAY_ADDRESS"] = address  # Flower's ray.init() joins it instead of starting a head
         for attempt in range(2):
             with open(log_path, "w") as log:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -40,12 +41,21 @@ def _head_family(marker: str) -> list[int]:
             if not simulate._stat_fields(p) or simulate._stat_fields(p)[0] != "Z"]
 
 
-def _kill(pids: list[int]) -> None:
+def _naming(temp_dir: Path) -> list[int]:
+    """Live processes whose command line names ``temp_dir`` (GCS and raylet do): found without the cleanup's own
+    marker-and-children lookup."""
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and str(temp_dir) in _cmdline(int(d.name))
+            and (simulate._stat_fields(int(d.name)) or ["Z"])[0] != "Z"]
+
+
+def _kill(pids: list[int], temp_dir: Path | None = None) -> None:
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _start(marker: str, temp_dir: Path, **kw) -> str:
@@ -53,10 +63,17 @@ def _start(marker: str, temp_dir: Path, **kw) -> str:
     return start_lean_ray_head(env, simulate.free_port(), simulate.free_port(), temp_dir, **kw)
 
 
-def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it():
+def _cwd(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
+
+
+def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it(tmp_path):
     head = simulate.LeanHead("t1-" + os.urandom(4).hex(), Path(tempfile.mkdtemp(prefix="pgvi-ray-")))
     try:
-        address = _start(head.marker, head.temp_dir)
+        address = _start(head.marker, head.temp_dir, cwd=tmp_path)
         assert address.startswith("127.0.0.1:")
         end = time.time() + 60  # ray start returns once the raylet is up; it starts its agents right after
         while time.time() < end:
@@ -67,14 +84,15 @@ def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it()
         assert sorted(k for c in cmds for k in KEPT if k in c) == sorted(KEPT), cmds
         assert len(cmds) == len(KEPT), cmds  # nothing else: no monitor, log monitor, dashboard or client server
         assert not [c for c in cmds for k in LEFT_OUT if k in c]
+        assert {_cwd(p) for p in _head_family(head.marker)} == {str(tmp_path)}  # and so its workers' (actors')
         assert (head.temp_dir / "ray_current_cluster").read_text().strip().endswith(address.split(":")[1])
         t0 = time.time()
         simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
         assert time.time() - t0 < simulate.LEAN_RAY_STOP_GRACE_S + 5  # the GCS ignores SIGTERM: killed after the grace
-        assert _head_family(head.marker) == []
+        assert _head_family(head.marker) == [] and _naming(head.temp_dir) == []
         assert not head.temp_dir.exists()
     finally:
-        _kill(_head_family(head.marker))
+        _kill(_head_family(head.marker), head.temp_dir)
 
 
 def test_a_head_that_cannot_start_is_one_error_with_rays_output_and_the_cleanup_stops_what_it_started():
@@ -83,10 +101,10 @@ def test_a_head_that_cannot_start_is_one_error_with_rays_output_and_the_cleanup_
         with pytest.raises(LeanRayError, match=r"ray start --head` failed \(exit 1\).*nonnegative"):
             _start(head.marker, head.temp_dir, num_cpus=-1)  # refused by Ray after its GCS has started
         simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
-        assert _head_family(head.marker) == []
+        assert _head_family(head.marker) == [] and _naming(head.temp_dir) == []
         assert not head.temp_dir.exists()
     finally:
-        _kill(_head_family(head.marker))
+        _kill(_head_family(head.marker), head.temp_dir)
 
 
 def test_the_launcher_refuses_a_ray_without_the_steps_it_leaves_out(monkeypatch, capsys):
@@ -115,7 +133,7 @@ def test_a_simulation_on_the_lean_head_gives_the_inprocess_posterior_and_leaves_
 
     monkeypatch.setattr(simulate, "_cleanup", cleanup)
     ray_tmp = Path(tempfile.mkdtemp(prefix="pgvi-ray-t"))  # short: Ray's socket paths must stay under 108 bytes
-    monkeypatch.setattr(simulate.tempfile, "mkdtemp", lambda prefix: str(ray_tmp))  # to check its removal
+    monkeypatch.setattr(simulate.tempfile, "mkdtemp", lambda *a, **k: str(ray_tmp))  # to check its removal
     overrides = {**TEXTBOOK_PARITY_CASES["sync-nll"], "num-server-rounds": 2, "dtype": "float64",
                  "evaluate-clients": False, "wait-for-clients-s": 180, "round-timeout-s": 120}
     raw = {**BASE, **overrides}
@@ -124,10 +142,34 @@ def test_a_simulation_on_the_lean_head_gives_the_inprocess_posterior_and_leaves_
     assert res["status"] == "finished:completed", res["log"].read_text()[-3000:]
     assert len(started) == 1
     assert len(drivers) == 1, drivers  # flwr-simulation's ray.init joined the lean head, not a head of its own
-    assert _head_family(started[0]) == [] and not ray_tmp.exists()
+    assert _head_family(started[0]) == [] and _naming(ray_tmp) == [] and not ray_tmp.exists()
     post = dict(np.load(res["out_dir"] / "posterior.npz"))
     summary = json.loads((res["out_dir"] / "summary.json").read_text())
     _, strategy, _ = run(overrides)
     assert summary["ledger-versions"] == strategy.ledger_versions
     for k, v in strategy.state.posterior.to_numpy().items():
         np.testing.assert_allclose(post[k], v, rtol=0, atol=1e-6 * max(1.0, float(np.abs(v).max())))
+
+
+def test_the_second_flwr_run_after_flowers_superlink_gave_up_still_has_the_head(tmp_path, monkeypatch):
+    """When Flower's SuperLink misses its 15 s, simulate.py stops every process of FLWR_HOME, starts a SuperLink
+    itself and runs `flwr run` again: the lean head must survive that stop (it used to be in FLWR_HOME, was
+    stopped, and the second run's ray.init retried the dead address until the timeout)."""
+    real_run = simulate.subprocess.run
+    faked = []
+
+    def first_flwr_run_gives_up(cmd, *a, **kw):
+        if isinstance(cmd, list) and Path(cmd[0]).name == "flwr" and cmd[1] == "run" and not faked:
+            faked.append(cmd)
+            kw["stdout"].write("Error: Failed to start local SuperLink within 15s. See logs at /x/superlink.log.\n")
+            return simulate.subprocess.CompletedProcess(cmd, 0)
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(simulate.subprocess, "run", first_flwr_run_gives_up)
+    overrides = {**TEXTBOOK_PARITY_CASES["sync-nll"], "num-server-rounds": 1, "dtype": "float64",
+                 "evaluate-clients": False, "wait-for-clients-s": 120, "round-timeout-s": 120}
+    raw = {**BASE, **overrides}
+    res = simulate.run_simulation(raw, num_supernodes=raw["num-clients"], workdir=tmp_path / "sim", timeout=300,
+                                  lean_ray=True)
+    assert len(faked) == 1
+    assert res["status"] == "finished:completed", res["log"].read_text()[-3000:]

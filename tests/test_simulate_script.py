@@ -380,7 +380,8 @@ def fake_lean_head(monkeypatch):
     state: dict = {"calls": []}
 
     def fake_start(env, port, agent_port, temp_dir, **kw):
-        state["calls"].append({"env": env, "temp_dir": Path(temp_dir), "existed": Path(temp_dir).is_dir()})
+        state["calls"].append({"env": env, "temp_dir": Path(temp_dir), "existed": Path(temp_dir).is_dir(),
+                               "cwd": kw.get("cwd")})
         if "fail" in state:
             raise LeanRayError(state["fail"])
         return f"127.0.0.1:{port}"
@@ -399,7 +400,9 @@ def test_lean_ray_starts_a_head_that_flwr_run_joins_and_removes_its_temp_dir(fak
     assert _main(monkeypatch, "--lean-ray", "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 0
     (call,) = fake_lean_head["calls"]
     assert call["existed"] and not call["temp_dir"].exists()  # made before the start, removed by the cleanup
-    assert call["env"]["FLWR_HOME"] == str(tmp_path / "sim" / "flwr-home")  # the FLWR_HOME scan finds it too
+    # not stopped with FLWR_HOME's processes when Flower's SuperLink is replaced between the two `flwr run`s
+    assert "FLWR_HOME" not in call["env"]
+    assert call["cwd"] == simulate.ROOT  # where Flower's own head and its workers run
     assert call["env"][simulate.LEAN_RAY_MARKER]
     assert seen[1] is not None and seen[1].startswith("127.0.0.1:")
 
