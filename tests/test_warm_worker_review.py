@@ -122,16 +122,36 @@ class _Proc:
         pytest.fail(f"worker {self.pid} neither got ready nor exited within {limit:g} s: {self.text()}")
 
     def stop(self) -> int:
-        """SIGTERM (SIGKILL after 30 s); the exit code."""
+        """SIGTERM (SIGKILL after 30 s); the exit code.  A worker still running 30 s after SIGTERM gets its
+        scheduler state and signal masks (``/proc/<pid>/status``) and each thread's kernel wait channel appended
+        to its log before the SIGKILL, so that a failure says why the signal was not acted on (blocked, stopped,
+        or a thread stuck in the kernel)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
+                self._out.write(f"\n[test] no exit 30 s after SIGTERM: {_process_state(self.pid)}\n")
+                self._out.flush()
                 self.proc.kill()
                 self.proc.wait()
         self._out.close()
         return self.proc.returncode
+
+
+def _process_state(pid: int) -> str:
+    """The lines of ``/proc/<pid>/status`` that tell why a signal is not handled, and every thread's wchan."""
+    keep = ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        threads = []
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            wchan = (task / "wchan").read_text() if (task / "wchan").exists() else "?"
+            threads.append(f"{task.name}:{(task / 'comm').read_text().strip()}:{wchan or '0'}")
+    except OSError as err:
+        return f"(could not read /proc/{pid}: {err})"
+    return "; ".join(line.replace("\t", " ") for line in status if line.split(":")[0] in keep) + \
+        "; threads " + ", ".join(threads)
 
 
 @pytest.fixture
