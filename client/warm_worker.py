@@ -559,62 +559,73 @@ def _serve_locked(path: Path, max_requests: int | None, handshake_timeout: float
         print(f"[warm-worker] signal {signum}: stopping", file=sys.stderr, flush=True)
         raise KeyboardInterrupt
 
+    def _stopping(signum, frame):  # noqa: ARG001 - during the clean-up: a second signal must not cut it short
+        print(f"[warm-worker] signal {signum}: already stopping", file=sys.stderr, flush=True)
+
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     served = 0
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock_id = key_id = key = None
     try:
-        if check_no_live_worker(path):  # a killed worker's socket and key; the lock keeps other workers out
-            path.unlink(missing_ok=True)
-            print(f"[warm-worker] replacing the stale socket {path} (nobody listened on it)",
-                  file=sys.stderr, flush=True)
-        try:  # bind is atomic: a worker that bound the path since the check above makes it fail
-            listener.bind(str(path))
-        except OSError as err:
-            if err.errno != errno.EADDRINUSE:
-                raise
-            raise WorkerAlreadyRunning(f"another compute worker took {path} while this one started") from err
-        sock_id = _file_id(path)
-        listener.listen(8)
-        # the key only now, once the path is ours: a refused start leaves the live worker's key alone
-        key = secrets.token_bytes(32)
-        kpath.unlink(missing_ok=True)  # then O_EXCL|O_NOFOLLOW: a symlink planted here cannot redirect the write
-        fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        st = os.fstat(fd)
-        key_id = st.st_dev, st.st_ino
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-        print(f"[warm-worker] pid {os.getpid()} ready on {path}", file=sys.stderr, flush=True)
-        while not stop and (max_requests is None or served < max_requests):
-            try:
-                raw, _ = listener.accept()
-            except KeyboardInterrupt:
-                break
-            except OSError as err:  # e.g. out of file descriptors: log, do not spin
-                print(f"[warm-worker] accept failed: {err!r}", file=sys.stderr, flush=True)
-                time.sleep(0.1)
-                continue
-            try:
-                _handshake(raw, key, time.monotonic() + handshake_timeout, server=True)
-                conn = _connection(raw, handshake_timeout)
-            except KeyboardInterrupt:
-                raw.close()
-                break
-            except Exception as err:  # a wrong key or a stalled peer must not stop the worker
-                raw.close()
-                why = (f"no handshake within {handshake_timeout:g} s" if isinstance(err, TimeoutError)
-                       else f"{type(err).__name__}: {err}")
-                print(f"[warm-worker] refused a connection ({why}); still serving", file=sys.stderr, flush=True)
-                continue
-            with conn:
-                t = time.perf_counter()
+        try:  # the handler's KeyboardInterrupt can come at any line of this block (a signal between two
+            # requests once escaped from the print after one and ended the worker with a traceback)
+            if check_no_live_worker(path):  # a killed worker's socket and key; the lock keeps other workers out
+                path.unlink(missing_ok=True)
+                print(f"[warm-worker] replacing the stale socket {path} (nobody listened on it)",
+                      file=sys.stderr, flush=True)
+            try:  # bind is atomic: a worker that bound the path since the check above makes it fail
+                listener.bind(str(path))
+            except OSError as err:
+                if err.errno != errno.EADDRINUSE:
+                    raise
+                raise WorkerAlreadyRunning(f"another compute worker took {path} while this one started") from err
+            sock_id = _file_id(path)
+            listener.listen(8)
+            # the key only now, once the path is ours: a refused start leaves the live worker's key alone
+            key = secrets.token_bytes(32)
+            kpath.unlink(missing_ok=True)  # then O_EXCL|O_NOFOLLOW: a symlink planted here cannot redirect the write
+            fd = os.open(kpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            st = os.fstat(fd)
+            key_id = st.st_dev, st.st_ino
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+            print(f"[warm-worker] pid {os.getpid()} ready on {path}", file=sys.stderr, flush=True)
+            while not stop and (max_requests is None or served < max_requests):
                 try:
-                    _serve_one(conn, handle)
+                    raw, _ = listener.accept()
                 except KeyboardInterrupt:
                     break
-                served += 1
-                print(f"[warm-worker] request {served} served in {time.perf_counter() - t:.2f} s", file=sys.stderr, flush=True)
+                except OSError as err:  # e.g. out of file descriptors: log, do not spin
+                    print(f"[warm-worker] accept failed: {err!r}", file=sys.stderr, flush=True)
+                    time.sleep(0.1)
+                    continue
+                try:
+                    _handshake(raw, key, time.monotonic() + handshake_timeout, server=True)
+                    conn = _connection(raw, handshake_timeout)
+                except KeyboardInterrupt:
+                    raw.close()
+                    break
+                except Exception as err:  # a wrong key or a stalled peer must not stop the worker
+                    raw.close()
+                    why = (f"no handshake within {handshake_timeout:g} s" if isinstance(err, TimeoutError)
+                           else f"{type(err).__name__}: {err}")
+                    print(f"[warm-worker] refused a connection ({why}); still serving", file=sys.stderr, flush=True)
+                    continue
+                with conn:
+                    t = time.perf_counter()
+                    try:
+                        _serve_one(conn, handle)
+                    except KeyboardInterrupt:
+                        break
+                    served += 1
+                    print(f"[warm-worker] request {served} served in {time.perf_counter() - t:.2f} s", file=sys.stderr,
+                          flush=True)
+        except KeyboardInterrupt:
+            if not stop:  # not raised by the signal handler: not ours to swallow
+                raise
     finally:
+        for s in old:
+            signal.signal(s, _stopping)
         # the socket's inode is compared while the listener still holds it: no new file can reuse the number yet
         _remove_if_ours(path, sock_id)
         _remove_if_ours(kpath, key_id, key)

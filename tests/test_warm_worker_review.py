@@ -14,6 +14,13 @@ W3. Timeouts too large for the socket layer: ``compute-worker-timeout-s`` 1e7 ma
     with an error naming the key and the limit; ``call()`` waits up to the cap (``poll`` alone cannot wait more
     than ~24.8 days) and turns an unexpected ``OverflowError`` from the socket layer into ``WorkerUnavailable``.
 
+W4. A stop signal at any moment ends the worker cleanly: its handler raises ``KeyboardInterrupt`` to break a
+    blocking ``accept``, and that exception was caught only around ``accept``, the handshake and the request
+    itself, so a SIGTERM between two requests (in the "request served" line or the connection's close: hit
+    under load in the full suite) escaped ``serve()`` with a traceback and exit status -2; a second signal
+    during the clean-up cut it short (socket and key files left).  Both now end with exit status 0 and nothing
+    left behind.
+
 The workers here run the real ``warm_worker.serve()`` with a stand-in ``client.pgvi_client`` (no torch), except
 where ``python -m client.warm_worker`` itself is under test.  Every process a test starts is stopped by it.
 """
@@ -45,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: (the one after the handle "import") until ``PAUSE_DIR/go`` exists, having touched ``PAUSE_DIR/paused``: the
 #: microsecond window between check and unlink, widened so that the interleaving of two workers is certain.
 _STUB = r"""
-import os, sys, time, types
+import os, signal, sys, time, types
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import client
@@ -80,6 +87,25 @@ if pause:
         return stale
 
     W.check_no_live_worker = paused
+term_at = os.environ.get("TERM_AT")  # the worker sends itself SIGTERM at this point (W4)
+if term_at == "after-request":  # in the "request served" line, after the request's own try block
+    def _print(*args, **kwargs):
+        print(*args, **kwargs)
+        if args and str(args[0]).startswith("[warm-worker] request "):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    W.print = _print
+elif term_at == "cleanup":  # a second signal as it starts removing its socket and key after the first
+    real_remove = W._remove_if_ours
+    sent = []
+
+    def _remove(*args, **kwargs):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_remove(*args, **kwargs)
+
+    W._remove_if_ours = _remove
 try:
     served = W.serve(sys.argv[1], handshake_timeout=float(os.environ.get("HS", "10")))
 except W.WorkerAlreadyRunning as err:  # as main() does
@@ -447,3 +473,30 @@ def test_serve_refuses_a_lock_for_another_path(tmp_path):
         warm_worker.serve(sock, lock=lock)
     assert not sock.exists()
 
+
+
+# --------------------------------------------------------------------------- W4: a stop signal at any moment
+
+
+def test_a_stop_signal_between_two_requests_ends_the_worker_cleanly(tmp_path, stub_worker):
+    sock = tmp_path / "node" / "w.sock"
+    w = stub_worker(sock, TERM_AT="after-request")
+    assert w.wait_ready_or_exit(60), w.text()
+    assert warm_worker.call(sock, {"x": 7}, timeout=30)["echo"] == {"x": 7}
+    w.proc.wait(30)  # it stops itself: the signal comes in its "request served" line
+    text = w.text()
+    assert "signal 15: stopping" in text and "[stub] served 1" in text, text
+    assert "Traceback" not in text, text
+    assert w.stop() == 0, text
+    assert sorted(p.name for p in sock.parent.iterdir()) == [], "the worker left files behind"
+
+
+def test_a_second_stop_signal_does_not_cut_the_clean_up_short(tmp_path, stub_worker):
+    sock = tmp_path / "node" / "w.sock"
+    w = stub_worker(sock, TERM_AT="cleanup")
+    assert w.wait_ready_or_exit(60), w.text()
+    assert w.stop() == 0, w.text()
+    text = w.text()
+    assert "signal 15: stopping" in text and "signal 15: already stopping" in text and "[stub] served 0" in text, text
+    assert "Traceback" not in text, text
+    assert sorted(p.name for p in sock.parent.iterdir()) == [], "the clean-up was cut short: files left behind"
