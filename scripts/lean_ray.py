@@ -18,8 +18,8 @@ head is up; its processes run on, detached.  Flower's ``ray.init`` then joins th
 The head keeps everything in a temp dir of its own (its sessions, sockets and ``ray_current_cluster`` file), never
 in Ray's default ``/tmp/ray``: a plain ``ray.init()`` elsewhere on the machine neither finds nor joins it.
 Stopping it is the caller's: the head's GCS and raylet inherit the environment it was started with, so a marker
-variable in it finds them, and the raylet's children are the rest (Ray's agents and workers overwrite their
-environment with their process titles).  ``simulate.py`` does so, with a short grace: Ray's GCS server ignores
+variable in it finds them, and the raylet's children are listed too (its agents and workers: a process title
+written over a process's environment would hide the marker).  ``simulate.py`` does so, with a short grace: Ray's GCS server ignores
 SIGTERM.
 
 Usage as a script (what :func:`start_lean_ray_head` runs): ``python scripts/lean_ray.py --port P --temp-dir D
@@ -56,7 +56,10 @@ def _patch_ray() -> None:
     import importlib
 
     for module_name, attr, replacement in _PATCHES:
-        owner: object = importlib.import_module(module_name)
+        try:
+            owner: object = importlib.import_module(module_name)
+        except ImportError as err:
+            raise LeanRayError(f"Ray is not installed here ({err}): --lean-ray needs flwr[simulation]") from None
         *path, name = attr.split(".")
         for part in path:
             owner = getattr(owner, part, None)
@@ -87,7 +90,11 @@ def _main(argv: list[str] | None = None) -> int:
     cmd = ["start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(args.port), "--temp-dir",
            args.temp_dir, "--no-monitor",
            "--include-log-monitor=false", "--include-dashboard=false", "--disable-usage-stats",
-           "--dashboard-agent-listen-port", str(args.dashboard_agent_listen_port)]
+           "--dashboard-agent-listen-port", str(args.dashboard_agent_listen_port),
+           # workers on ports the kernel picks: with Ray's default range (10002-19999) two heads on one machine
+           # walk the same ports in the same order and one's worker or driver fails to bind ("Address already in
+           # use": 7 of 16 pairs of simultaneous lean simulations failed); Flower's own ray.init passes 0 too
+           "--min-worker-port", "0", "--max-worker-port", "0"]
     if args.num_cpus is not None:
         cmd += ["--num-cpus", str(args.num_cpus)]
     try:
@@ -122,7 +129,10 @@ def start_lean_ray_head(env: dict[str, str], port: int, agent_port: int, temp_di
         raise LeanRayError(f"the lean Ray head did not start within {timeout:g} s: "
                            f"{_tail(out if isinstance(out, str) else out.decode(errors='replace'))}") from None
     if done.returncode != 0:
-        raise LeanRayError(f"`ray start --head` failed (exit {done.returncode}): {_tail(done.stdout + done.stderr)}")
+        out = done.stdout + done.stderr
+        hint = (f"; the temp dir {temp_dir} is too long for Ray's socket paths (at most 107 bytes): set RAY_TMPDIR to "
+                "a short directory such as /tmp" if "path length" in out else "")
+        raise LeanRayError(f"`ray start --head` failed (exit {done.returncode}): {_tail(out)}{hint}")
     return f"127.0.0.1:{port}"
 
 

@@ -451,8 +451,8 @@ def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None, r
     if ray_head is not None:  # first, with its short grace (the FLWR_HOME scan below would give it 20 s)
         try:
             # with their descendants, listed before any is signalled: Ray's agents and workers (the raylet's
-            # children) overwrite their environment with their process titles, and once the raylet is gone they
-            # are init's
+            # children) may not show the marker (a process title written over the environment), and once the
+            # raylet is gone they are init's
             head = _pids_with_env(LEAN_RAY_MARKER, ray_head.marker)
             family = list(dict.fromkeys([*head, *(c for p in head for c in _children(p))]))
             _terminate([p for p in family if p != os.getpid()], LEAN_RAY_STOP_GRACE_S)
@@ -480,6 +480,15 @@ def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None, r
         _warn(f"cleanup: could not check for leftover processes: {type(err).__name__}: {err}")
 
 
+def _ray_tmpdir() -> str | None:
+    """``RAY_TMPDIR`` (created if missing), where Ray's own head keeps its sessions; None: the system's temp dir."""
+    path = os.environ.get("RAY_TMPDIR")
+    if not path:
+        return None
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path, home: Path,
                            num_cpus_per_client: float, timeout: float | None, stream_to: Path | None,
                            preexec_fn: Callable[[], None] | None = None,
@@ -504,8 +513,9 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     ray_head: LeanHead | None = None
     try:
         if lean_ray:
-            # (under the system's temp dir, not workdir: Ray's socket paths must stay under 108 bytes)
-            ray_head = LeanHead(secrets.token_hex(8), Path(tempfile.mkdtemp(prefix="pgvi-ray-")))
+            # (under RAY_TMPDIR, as Ray's own head, else the system's temp dir; not workdir: Ray's socket paths must
+            # stay under 108 bytes)
+            ray_head = LeanHead(secrets.token_hex(8), Path(tempfile.mkdtemp(prefix="pgvi-ray-", dir=_ray_tmpdir())))
             # without the simulation's FLWR_HOME: the stop of a SuperLink Flower gave up on (below) ends every
             # process of FLWR_HOME, and the second `flwr run` needs the head; in ROOT, where `flwr run` starts
             # the SuperLink and so Flower's own head and workers, so that relative paths resolve alike
@@ -513,6 +523,10 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             address = start_lean_ray_head({**head_env, LEAN_RAY_MARKER: ray_head.marker}, free_port(), free_port(),
                                           ray_head.temp_dir, cwd=ROOT, preexec_fn=preexec_fn)
             env["RAY_ADDRESS"] = address  # Flower's ray.init() joins it instead of starting a head
+            # the SuperLink's ports afresh, now that the head has bound its own (kernel-chosen) ones: picked before
+            # it, they stay free until `flwr run` starts the SuperLink seconds later, and the head could take them
+            http_port, control_port = free_port(), free_port()
+            env.update(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port), FLWR_LOCAL_CONTROL_API_PORT=str(control_port))
         for attempt in range(2):
             with open(log_path, "w") as log:
                 try:

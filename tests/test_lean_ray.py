@@ -85,6 +85,10 @@ def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it(t
         assert len(cmds) == len(KEPT), cmds  # nothing else: no monitor, log monitor, dashboard or client server
         assert not [c for c in cmds for k in LEFT_OUT if k in c]
         assert {_cwd(p) for p in _head_family(head.marker)} == {str(tmp_path)}  # and so its workers' (actors')
+        # workers on kernel-chosen ports, not Ray's fixed range 10002-19999, which two heads on one machine walk in
+        # the same order (one worker or driver then fails to bind: 7 of 16 pairs of simultaneous simulations)
+        raylet = [c for c in cmds if "raylet" in c.split(" ")[0]]
+        assert len(raylet) == 1 and "--min_worker_port=0 " in raylet[0] and "--max_worker_port=0 " in raylet[0], raylet
         assert (head.temp_dir / "ray_current_cluster").read_text().strip().endswith(address.split(":")[1])
         t0 = time.time()
         simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
@@ -113,6 +117,36 @@ def test_the_launcher_refuses_a_ray_without_the_steps_it_leaves_out(monkeypatch,
         lean_ray._patch_ray()
     assert lean_ray._main(["--port", "1", "--temp-dir", "/nonexistent", "--dashboard-agent-listen-port", "2"]) == 2
     assert "no ray._private.node.Node.no_such_step" in capsys.readouterr().err
+
+
+def test_the_launcher_says_when_ray_is_not_installed(monkeypatch, capsys):
+    import importlib
+
+    real = importlib.import_module
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", no_ray)
+    with pytest.raises(LeanRayError, match=r"Ray is not installed here .*needs flwr\[simulation\]"):
+        lean_ray._patch_ray()
+    assert lean_ray._main(["--port", "1", "--temp-dir", "/nonexistent", "--dashboard-agent-listen-port", "2"]) == 2
+    assert "Ray is not installed here" in capsys.readouterr().err
+
+
+def test_a_temp_dir_too_long_for_rays_socket_paths_says_to_set_ray_tmpdir(tmp_path):
+    long_dir = tmp_path / ("d" * 60)
+    long_dir.mkdir()
+    head = simulate.LeanHead("t5-" + os.urandom(4).hex(), long_dir)
+    try:
+        with pytest.raises(LeanRayError, match=r"path length.*too long for Ray's socket paths.*set RAY_TMPDIR"):
+            _start(head.marker, head.temp_dir)
+    finally:
+        simulate._cleanup(simulate.free_port(), long_dir / "no-flwr-home", None, head)
+        _kill(_head_family(head.marker), long_dir)
+    assert _naming(long_dir) == []
 
 
 def test_a_simulation_on_the_lean_head_gives_the_inprocess_posterior_and_leaves_nothing(tmp_path, monkeypatch):

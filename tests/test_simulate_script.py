@@ -415,3 +415,35 @@ def test_a_lean_head_that_cannot_start_is_one_error_and_no_run(fake_flwr, fake_l
     assert "simulate.py: error: `ray start --head` failed (exit 1): boom" in err
     assert fake_flwr["runs"] == []
     assert not fake_lean_head["calls"][0]["temp_dir"].exists()
+
+
+def test_lean_ray_takes_its_temp_dir_under_ray_tmpdir_and_the_superlinks_ports_after_the_head(
+        fake_flwr, fake_lean_head, tmp_path, monkeypatch):
+    # RAY_TMPDIR: where Ray's own head keeps its sessions (a short one is the way round long socket paths)
+    ray_tmp = tmp_path / "raytmp"
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    picked: list[int] = []
+    real_free_port = simulate.free_port
+
+    def recording_free_port() -> int:
+        picked.append(real_free_port())
+        return picked[-1]
+
+    monkeypatch.setattr(simulate, "free_port", recording_free_port)
+    real_fake_start = simulate.start_lean_ray_head
+
+    def start(*args, **kw):
+        picked.append(-1)  # the head starts here
+        return real_fake_start(*args, **kw)
+
+    monkeypatch.setattr(simulate, "start_lean_ray_head", start)
+    seen = []
+    fake_flwr["on_run"] = lambda cmd, env: seen.append(env) or STARTED_LOG
+    assert _main(monkeypatch, "--lean-ray", "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 0
+    (call,) = fake_lean_head["calls"]
+    assert call["temp_dir"].parent == ray_tmp and call["temp_dir"].name.startswith("pgvi-ray-")
+    assert not call["temp_dir"].exists()
+    # the SuperLink's ports are picked after the head has bound its own, which could otherwise take them
+    after = picked[picked.index(-1) + 1:]
+    assert int(seen[0]["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]) in after
+    assert int(seen[0]["FLWR_LOCAL_CONTROL_API_PORT"]) in after
