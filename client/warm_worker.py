@@ -567,8 +567,9 @@ def _serve_locked(path: Path, max_requests: int | None, handshake_timeout: float
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock_id = key_id = key = None
     try:
-        try:  # the handler's KeyboardInterrupt can come at any line of this block (a signal between two
-            # requests once escaped from the print after one and ended the worker with a traceback)
+        try:  # the handler's KeyboardInterrupt can come at any line of this block, a blocking accept or
+            # handshake included (a signal between two requests once escaped from the print after one and ended
+            # the worker with a traceback); the accepted socket of an interrupted handshake closes with the frame
             if check_no_live_worker(path):  # a killed worker's socket and key; the lock keeps other workers out
                 path.unlink(missing_ok=True)
                 print(f"[warm-worker] replacing the stale socket {path} (nobody listened on it)",
@@ -593,8 +594,6 @@ def _serve_locked(path: Path, max_requests: int | None, handshake_timeout: float
             while not stop and (max_requests is None or served < max_requests):
                 try:
                     raw, _ = listener.accept()
-                except KeyboardInterrupt:
-                    break
                 except OSError as err:  # e.g. out of file descriptors: log, do not spin
                     print(f"[warm-worker] accept failed: {err!r}", file=sys.stderr, flush=True)
                     time.sleep(0.1)
@@ -602,9 +601,6 @@ def _serve_locked(path: Path, max_requests: int | None, handshake_timeout: float
                 try:
                     _handshake(raw, key, time.monotonic() + handshake_timeout, server=True)
                     conn = _connection(raw, handshake_timeout)
-                except KeyboardInterrupt:
-                    raw.close()
-                    break
                 except Exception as err:  # a wrong key or a stalled peer must not stop the worker
                     raw.close()
                     why = (f"no handshake within {handshake_timeout:g} s" if isinstance(err, TimeoutError)
@@ -615,7 +611,7 @@ def _serve_locked(path: Path, max_requests: int | None, handshake_timeout: float
                     t = time.perf_counter()
                     try:
                         _serve_one(conn, handle)
-                    except KeyboardInterrupt:
+                    except KeyboardInterrupt:  # also one the request's own code raised: stop, as before
                         break
                     served += 1
                     print(f"[warm-worker] request {served} served in {time.perf_counter() - t:.2f} s", file=sys.stderr,

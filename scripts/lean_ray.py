@@ -19,8 +19,8 @@ The head keeps everything in a temp dir of its own (its sessions, sockets and ``
 in Ray's default ``/tmp/ray``: a plain ``ray.init()`` elsewhere on the machine neither finds nor joins it.
 Stopping it is the caller's: the head's GCS and raylet inherit the environment it was started with, so a marker
 variable in it finds them, and the raylet's children are listed too (its agents and workers: a process title
-written over a process's environment would hide the marker).  ``simulate.py`` does so, with a short grace: Ray's GCS server ignores
-SIGTERM.
+written over a process's environment would hide the marker).  ``simulate.py`` does so, with a short grace: Ray's
+GCS server ignores SIGTERM.
 
 Usage as a script (what :func:`start_lean_ray_head` runs): ``python scripts/lean_ray.py --port P --temp-dir D
 [--num-cpus N]``.

@@ -480,6 +480,11 @@ def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None, r
         _warn(f"cleanup: could not check for leftover processes: {type(err).__name__}: {err}")
 
 
+def _superlink_ports_env(http_port: int, control_port: int) -> dict[str, str]:
+    """The variables that give the SuperLink `flwr run` starts on a ``:local:`` connection its two ports."""
+    return {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
+
+
 def _ray_tmpdir() -> str | None:
     """``RAY_TMPDIR`` (created if missing), where Ray's own head keeps its sessions; None: the system's temp dir."""
     path = os.environ.get("RAY_TMPDIR")
@@ -499,7 +504,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     )
     env = {**os.environ, **FLWR_ENV, "FLWR_HOME": str(home),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
+           **_superlink_ports_env(http_port, control_port)}
     out_root = workdir / "outputs"
     cfg = {**run_config, "output-dir": str(out_root)}
     cfg_file = write_run_config(workdir / "run_config.toml", cfg)
@@ -526,7 +531,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             # the SuperLink's ports afresh, now that the head has bound its own (kernel-chosen) ones: picked before
             # it, they stay free until `flwr run` starts the SuperLink seconds later, and the head could take them
             http_port, control_port = free_port(), free_port()
-            env.update(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port), FLWR_LOCAL_CONTROL_API_PORT=str(control_port))
+            env.update(_superlink_ports_env(http_port, control_port))
         for attempt in range(2):
             with open(log_path, "w") as log:
                 try:

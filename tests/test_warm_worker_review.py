@@ -474,7 +474,6 @@ def test_serve_refuses_a_lock_for_another_path(tmp_path):
     assert not sock.exists()
 
 
-
 # --------------------------------------------------------------------------- W4: a stop signal at any moment
 
 
