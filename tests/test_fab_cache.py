@@ -43,12 +43,15 @@ x = 1
 """
 
 
-def _build_fab(where: Path, version: str, body: str = "client = server = None\n") -> bytes:
+def _build_fab(where: Path, version: str, body: str = "client = server = None\n",
+               extra: dict[str, str] | None = None) -> bytes:
     app = where / f"tiny-{version.replace('.', '-')}"  # Flower: letters, digits, hyphens
     (app / "tiny").mkdir(parents=True)
     (app / "pyproject.toml").write_text(PYPROJECT.format(version=version))
     (app / "tiny" / "__init__.py").write_text("")
     (app / "tiny" / "app.py").write_text(body)
+    for name, text in (extra or {}).items():
+        (app / "tiny" / name).write_text(text)
     res = subprocess.run([str(FLWR), "build", "--app", str(app)], cwd=where, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -260,3 +263,39 @@ def test_an_incomplete_install_is_never_marked(fabs, home, caplog):
     app.write_text("client = server = None\n")  # complete: marked by the next message, a hit after that
     assert cached(fabs["a"], skip_prompt=True) == path and marker.read_text() == str(path)
     assert cached(fabs["a"], skip_prompt=True) == path and flower.calls == 4
+
+
+def test_the_installed_modules_are_compiled_once_so_clientapps_import_them_without_compiling(fabs, home, monkeypatch):
+    """With ``PYTHONDONTWRITEBYTECODE`` set (this sandbox, many container images) Python never caches bytecode: every
+    ClientApp compiled the FAB's modules from source.  The install now writes it; a fresh interpreter with the variable
+    set loads the module from that bytecode (``-v`` says which file it used)."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    cached = fab_cache.make_cached_install(Counting(), get_flwr_home)
+    path = cached(fabs["a"], skip_prompt=True)
+    pyc = sorted(p.name for p in (path / "tiny" / "__pycache__").iterdir())
+    assert pyc == [f"__init__.{sys.implementation.cache_tag}.pyc", f"app.{sys.implementation.cache_tag}.pyc"]
+    res = subprocess.run([sys.executable, "-v", "-c", "import tiny.app"], cwd=path, capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert res.returncode == 0, res.stderr
+    source = str(path / "tiny" / "app.py")
+    used = [line for line in res.stderr.splitlines() if line.endswith(source)]
+    assert used == [f"# {path / 'tiny' / '__pycache__' / pyc[1]} matches {source}"], res.stderr[-2000:]
+    # a second install of the same bytes (the cache) writes nothing new, and a source changed afterwards is still
+    # compiled afresh at import (the bytecode is checked against the source's timestamp and size)
+    (path / "tiny" / "app.py").write_text("client = server = 'changed'\n")
+    res = subprocess.run([sys.executable, "-c", "import tiny.app; print(tiny.app.client)"], cwd=path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "changed", res.stderr
+
+
+def test_a_module_that_does_not_compile_leaves_the_install_usable_and_marked(fabs, home, tmp_path, caplog):
+    where = tmp_path / "bad"
+    where.mkdir()
+    bad = _build_fab(where, "1.0.2", extra={"broken.py": "x = (\n"})  # a syntax error: Flower installs it all the same
+    cached = fab_cache.make_cached_install(Counting(), get_flwr_home)
+    with caplog.at_level(logging.DEBUG, logger="flwr"):
+        path = cached(bad, skip_prompt=True)
+    assert (path / "tiny" / "broken.py").is_file()
+    assert "were not compiled" in caplog.text
+    assert (path / "tiny" / "__pycache__" / f"app.{sys.implementation.cache_tag}.pyc").is_file()  # the others are
+    assert cached(bad, skip_prompt=True) == path  # marked: the next message skips Flower's install
