@@ -22,6 +22,14 @@ variable in it finds them, and the raylet's children are listed too (its agents 
 written over a process's environment would hide the marker).  ``simulate.py`` does so, with a short grace: Ray's
 GCS server ignores SIGTERM.
 
+The head's GCS and raylet listen on every interface (as those of the head Flower's own ``ray.init`` starts do;
+Ray 2.55's launcher passes them no address to bind to), and a Ray cluster without authentication runs whatever a
+connection asks of it.  The head is therefore started with Ray's token authentication (Ray >= 2.52,
+``RAY_AUTH_MODE=token``), with a random 256-bit token in ``<temp dir>/auth-token`` (mode 0600, named by
+``RAY_AUTH_TOKEN_PATH``), which Ray then requires on its control-plane RPCs.  A process joins the head with
+:func:`auth_env` in its environment (``simulate.py`` gives it to ``flwr run``, and so to Flower's ``ray.init``);
+without it, or with another token, the GCS answers "Unauthenticated" (``tests/test_lean_ray.py``).
+
 Usage as a script (what :func:`start_lean_ray_head` runs): ``python scripts/lean_ray.py --port P --temp-dir D
 [--num-cpus N]``.
 """
@@ -29,12 +37,14 @@ Usage as a script (what :func:`start_lean_ray_head` runs): ``python scripts/lean
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["LeanRayError", "start_lean_ray_head"]
+__all__ = ["LeanRayError", "auth_env", "start_lean_ray_head"]
 
 #: What the launcher leaves out of ``ray start --head``, as (module, attribute, replacement) for each of Ray's
 #: own steps it replaces.  The names are those of Ray 2.55 (the version flwr[simulation] 1.39 installs); the
@@ -48,8 +58,29 @@ _PATCHES = (
 START_TIMEOUT_S = 120.0
 
 
+#: The head's token file in its temp dir (see the module docstring).
+AUTH_TOKEN_FILE = "auth-token"
+
+
 class LeanRayError(RuntimeError):
     """The lean Ray head could not be started (the message holds the end of ``ray start``'s output)."""
+
+
+def auth_env(temp_dir: Path) -> dict[str, str]:
+    """The environment variables with which a process joins the head whose temp dir is ``temp_dir`` (the head's
+    own processes get them from :func:`start_lean_ray_head`)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(temp_dir) / AUTH_TOKEN_FILE)}
+
+
+def _write_token(temp_dir: Path) -> None:
+    """A new random token in ``temp_dir``, readable by this user only; refuses to reuse or follow an existing file."""
+    path = Path(temp_dir) / AUTH_TOKEN_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise LeanRayError(f"cannot create the head's token file {path}: {err}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # 256 bits, as Ray's own `ray get-auth-token --generate`
 
 
 def _patch_ray() -> None:
@@ -112,14 +143,15 @@ def start_lean_ray_head(env: dict[str, str], port: int, agent_port: int, temp_di
     socket paths must stay under 108 bytes).  Returns the address: ``RAY_ADDRESS=address`` makes ``ray.init()``
     join it.  ``cwd``: the working directory of the head's processes and so of every worker (client actor) it
     starts (default: this process's).  ``preexec_fn`` runs in the launcher before it starts (e.g. joining a memory cgroup, which the
-    head's processes then inherit).  :class:`LeanRayError` if ``ray start`` fails or takes longer than
-    ``timeout`` s.  Stopping the head (see the module docstring) and removing ``temp_dir`` are the caller's,
+    head's processes then inherit).  The head requires the token it writes to ``temp_dir``: join it with
+    :func:`auth_env`.  :class:`LeanRayError` if ``ray start`` fails or takes longer than ``timeout`` s.  Stopping the head (see the module docstring) and removing ``temp_dir`` are the caller's,
     whether or not it started."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--temp-dir", str(temp_dir),
            "--dashboard-agent-listen-port", str(agent_port)]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
-    env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
+    _write_token(temp_dir)
+    env = {**{k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}, **auth_env(temp_dir), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)  # `ray start --head` must not be pointed at another cluster
     try:
         done = subprocess.run(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python scripts/simulate.py`: for scripts.stop_signals
     sys.path.insert(0, str(ROOT))
 from scripts.arg_types import number_above  # noqa: E402
-from scripts.lean_ray import start_lean_ray_head  # noqa: E402
+from scripts.lean_ray import auth_env, start_lean_ray_head  # noqa: E402
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 
 FLWR_ENV = {
@@ -528,6 +528,8 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             address = start_lean_ray_head({**head_env, LEAN_RAY_MARKER: ray_head.marker}, free_port(), free_port(),
                                           ray_head.temp_dir, cwd=ROOT, preexec_fn=preexec_fn)
             env["RAY_ADDRESS"] = address  # Flower's ray.init() joins it instead of starting a head
+            env.pop("RAY_AUTH_TOKEN", None)  # (a token set here would take precedence over the head's file)
+            env.update(auth_env(ray_head.temp_dir))  # with the head's token: it refuses every RPC without it
             # the SuperLink's ports afresh, now that the head has bound its own (kernel-chosen) ones: picked before
             # it, they stay free until `flwr run` starts the SuperLink seconds later, and the head could take them
             http_port, control_port = free_port(), free_port()

@@ -90,6 +90,7 @@ def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it(t
         raylet = [c for c in cmds if "raylet" in c.split(" ")[0]]
         assert len(raylet) == 1 and "--min_worker_port=0 " in raylet[0] and "--max_worker_port=0 " in raylet[0], raylet
         assert (head.temp_dir / "ray_current_cluster").read_text().strip().endswith(address.split(":")[1])
+        _check_the_gcs_wants_the_token(head.temp_dir, address)
         t0 = time.time()
         simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
         assert time.time() - t0 < simulate.LEAN_RAY_STOP_GRACE_S + 5  # the GCS ignores SIGTERM: killed after the grace
@@ -97,6 +98,46 @@ def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it(t
         assert not head.temp_dir.exists()
     finally:
         _kill(_head_family(head.marker), head.temp_dir)
+
+
+#: Asks the GCS at argv[1] for its keys (one RPC, 5-s deadline) and prints OK or the error's class.
+_GCS_PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_keys(b"", None, timeout=5)
+    print("OK")
+except Exception as err:
+    print("ERR", type(err).__name__, err)
+"""
+
+
+def _check_the_gcs_wants_the_token(temp_dir: Path, address: str) -> None:
+    """The head's GCS listens on every interface (Ray's launcher gives it no address to bind to): without the head's
+    token, or with another one, it refuses the RPC; with :func:`lean_ray.auth_env` it answers."""
+    import subprocess
+    import sys
+
+    token = temp_dir / lean_ray.AUTH_TOKEN_FILE
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64  # 256 bits, this user's only
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    cases = {"none": clean, "head's": {**clean, **lean_ray.auth_env(temp_dir)},
+             "other": {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}}
+    seen = {}
+    for name, env in cases.items():
+        res = subprocess.run([sys.executable, "-c", _GCS_PROBE, address], env=env, capture_output=True, text=True,
+                             timeout=120)
+        seen[name] = (res.stdout.strip().splitlines() or [res.stderr[-500:]])[-1]
+    assert seen["head's"] == "OK", seen
+    for name in ("none", "other"):
+        assert seen[name].startswith("ERR AuthenticationError") and "InvalidAuthToken" in seen[name], seen
+
+
+def test_a_second_head_in_the_same_temp_dir_does_not_reuse_or_follow_its_token_file(tmp_path):
+    (tmp_path / lean_ray.AUTH_TOKEN_FILE).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(LeanRayError, match=r"cannot create the head's token file .*auth-token"):
+        lean_ray._write_token(tmp_path)
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_a_head_that_cannot_start_is_one_error_with_rays_output_and_the_cleanup_stops_what_it_started():

@@ -393,8 +393,10 @@ def fake_lean_head(monkeypatch):
 def test_lean_ray_starts_a_head_that_flwr_run_joins_and_removes_its_temp_dir(fake_flwr, fake_lean_head, tmp_path,
                                                                               monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    seen = []
-    fake_flwr["on_run"] = lambda cmd, env: seen.append(env.get("RAY_ADDRESS")) or STARTED_LOG
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "f" * 64)  # would take precedence over the head's token file
+    seen, auth = [], []
+    fake_flwr["on_run"] = lambda cmd, env: (seen.append(env.get("RAY_ADDRESS")), auth.append(
+        {k: v for k, v in env.items() if k.startswith("RAY_AUTH")})) and STARTED_LOG
     assert _main(monkeypatch, "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 0
     assert fake_lean_head["calls"] == [] and seen == [None]  # not asked for: Flower's own ray.init
     assert _main(monkeypatch, "--lean-ray", "--out", str(tmp_path / "sim"), "-c", "num-clients=2 min-clients=2") == 0
@@ -405,6 +407,8 @@ def test_lean_ray_starts_a_head_that_flwr_run_joins_and_removes_its_temp_dir(fak
     assert call["cwd"] == simulate.ROOT  # where Flower's own head and its workers run
     assert call["env"][simulate.LEAN_RAY_MARKER]
     assert seen[1] is not None and seen[1].startswith("127.0.0.1:")
+    # the lean head wants its token (scripts/lean_ray.py): `flwr run`, and so Flower's ray.init, gets its file
+    assert auth[1] == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(call["temp_dir"] / "auth-token")}
 
 
 def test_a_lean_head_that_cannot_start_is_one_error_and_no_run(fake_flwr, fake_lean_head, tmp_path, monkeypatch,
