@@ -34,7 +34,8 @@ limit is per ``flwr run``: when Flower's own SuperLink fails to start, the scrip
 Ctrl-C, SIGTERM and SIGHUP (terminal closed, ssh session dropped) stop the simulation like the end of a run does:
 every process of it is stopped, then the script exits 130.  The cleanup itself ignores further stop signals (it
 takes at most ~30 s: SIGTERM, up to 20 s for the processes to exit, then SIGKILL), so a second Ctrl-C or SIGTERM
-cannot cut it short and leave a process that ignores SIGTERM running.
+cannot cut it short and leave a process that ignores SIGTERM running.  If the script itself is killed outright
+(SIGKILL, the OOM killer), a small watcher it started first (:class:`_Reaper`) runs the same cleanup.
 """
 
 from __future__ import annotations
@@ -408,7 +409,7 @@ def run_simulation(
         lock.write(f"{os.getpid()}\n")
         lock.flush()
         return _run_simulation_locked(run_config, num_supernodes, workdir, home, num_cpus_per_client, timeout,
-                                      stream_to, preexec_fn, superlink_timeout, lean_ray)
+                                      stream_to, preexec_fn, superlink_timeout, lean_ray, lock.fileno())
     finally:
         lock.close()
 
@@ -480,6 +481,80 @@ def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None, r
         _warn(f"cleanup: could not check for leftover processes: {type(err).__name__}: {err}")
 
 
+#: The reaper's waiting stage (see :class:`_Reaper`), a POSIX shell: about 1 MB resident instead of the ~20 MB of an
+#: interpreter that has imported this module, for the whole length of the simulation.  Each line read is one more
+#: argument of the cleanup; ``done`` ends it; end of file runs the cleanup.
+_REAPER_SH = """trap '' INT TERM HUP
+while IFS= read -r line; do
+  [ "$line" = done ] && exit 0
+  set -- "$@" "$line"
+done
+exec "$0" -S -I "$SIMULATE_PY" --reap "$@"
+"""
+
+
+class _Reaper:
+    """A watcher that stops the simulation's processes if this process dies without running its own cleanup.
+
+    Flower's SuperLink and a lean Ray head run detached from this process, so a ``kill -9`` of it (or the kernel's OOM
+    killer) used to leave them running.  The reaper is ``/bin/sh`` (:data:`_REAPER_SH`) in a session of its own, with
+    Ctrl-C, SIGTERM and SIGHUP ignored (this process's own cleanup handles those), reading a pipe from this process:
+    the lines ``--home=...``, ``--port=N`` (the SuperLink's HTTP port, again when it changes) and ``--head=MARKER:DIR``
+    (the lean Ray head), and ``done`` after this process's own cleanup, when it exits.  End of file without ``done``
+    means this process died: the shell then runs ``simulate.py --reap`` with those lines as arguments, which runs the
+    same cleanup (:func:`_stop_everything`).  It holds the FLWR_HOME lock too, so a new simulation on the same ``--out``
+    is refused until that cleanup has finished."""
+
+    def __init__(self, home: Path, http_port: int, lock_fd: int | None = None) -> None:
+        env = {**os.environ, "SIMULATE_PY": str(Path(__file__).resolve())}
+        self.proc = subprocess.Popen(["/bin/sh", "-c", _REAPER_SH, sys.executable], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, start_new_session=True, env=env,
+                                     pass_fds=() if lock_fd is None else (lock_fd,))
+        self.tell(f"--home={home}")
+        self.tell(f"--port={http_port}")
+
+    def tell(self, line: str) -> None:
+        """Send the reaper one line (never raises: a reaper that is gone cannot be told anything)."""
+        assert "\n" not in line, line
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((line + "\n").encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def dismiss(self) -> None:
+        """This process has cleaned up: the reaper exits without doing anything (waited for, up to 10 s)."""
+        self.tell("done")
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _reap(argv: list[str]) -> int:
+    """``simulate.py --reap --home=H --port=N [--head=MARKER:DIR] ...``: the cleanup of a simulation whose
+    ``simulate.py`` died (:class:`_Reaper`); the last ``--port`` counts."""
+    ap = argparse.ArgumentParser(prog="simulate.py --reap")
+    ap.add_argument("--home", type=Path, required=True)
+    ap.add_argument("--port", type=int, action="append", required=True)
+    ap.add_argument("--head", default=None)
+    args = ap.parse_args(argv)
+    head = None
+    if args.head:
+        marker, _, temp_dir = args.head.partition(":")
+        head = LeanHead(marker, Path(temp_dir))
+    _warn(f"the simulation's process died without stopping its processes (FLWR_HOME={args.home}); stopping them")
+    _stop_everything(args.port[-1], args.home, None, head)
+    return 0
+
+
 def _superlink_ports_env(http_port: int, control_port: int) -> dict[str, str]:
     """The variables that give the SuperLink `flwr run` starts on a ``:local:`` connection its two ports."""
     return {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
@@ -497,7 +572,8 @@ def _ray_tmpdir() -> str | None:
 def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path, home: Path,
                            num_cpus_per_client: float, timeout: float | None, stream_to: Path | None,
                            preexec_fn: Callable[[], None] | None = None,
-                           superlink_timeout: float = SUPERLINK_START_TIMEOUT, lean_ray: bool = False) -> dict:
+                           superlink_timeout: float = SUPERLINK_START_TIMEOUT, lean_ray: bool = False,
+                           lock_fd: int | None = None) -> dict:
     http_port, control_port = free_port(), free_port()
     (home / "config.toml").write_text(
         '[superlink]\ndefault = "pgvi-sim"\n[superlink.pgvi-sim]\naddress = ":local:"\n'
@@ -516,11 +592,13 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     failure = ""  # why the SuperLink started here did not answer
     ls = None
     ray_head: LeanHead | None = None
+    reaper = _Reaper(home, http_port, lock_fd)
     try:
         if lean_ray:
             # (under RAY_TMPDIR, as Ray's own head, else the system's temp dir; not workdir: Ray's socket paths must
             # stay under 108 bytes)
             ray_head = LeanHead(secrets.token_hex(8), Path(tempfile.mkdtemp(prefix="pgvi-ray-", dir=_ray_tmpdir())))
+            reaper.tell(f"--head={ray_head.marker}:{ray_head.temp_dir}")
             # without the simulation's FLWR_HOME: the stop of a SuperLink Flower gave up on (below) ends every
             # process of FLWR_HOME, and the second `flwr run` needs the head; in ROOT, where `flwr run` starts
             # the SuperLink and so Flower's own head and workers, so that relative paths resolve alike
@@ -534,6 +612,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             # it, they stay free until `flwr run` starts the SuperLink seconds later, and the head could take them
             http_port, control_port = free_port(), free_port()
             env.update(_superlink_ports_env(http_port, control_port))
+            reaper.tell(f"--port={http_port}")
         for attempt in range(2):
             with open(log_path, "w") as log:
                 try:
@@ -570,7 +649,10 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             except subprocess.TimeoutExpired:  # the status is then reported as "unknown"
                 _warn("`flwr ls` did not answer within 120 s: the run's final status is unknown")
     finally:
-        _cleanup(http_port, home, own, ray_head)
+        try:
+            _cleanup(http_port, home, own, ray_head)
+        finally:
+            reaper.dismiss()
     seconds = time.time() - t0
     ls_out = ls.stdout if ls is not None and isinstance(ls.stdout, str) else ""
     runs = json.loads(ls_out).get("runs", []) if ls_out.strip().startswith("{") else []
@@ -641,6 +723,8 @@ def refuse_output_dir(overrides: list[str] | tuple[str, ...], records: str) -> N
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--reap"]:  # the reaper's cleanup (:class:`_Reaper`), not a simulation
+        sys.exit(_reap(sys.argv[2:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--supernodes", type=int, default=None,
                     help="number of SuperNodes (virtual clients); default: the run config's num-clients, after "

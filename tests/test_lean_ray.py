@@ -248,3 +248,48 @@ def test_the_second_flwr_run_after_flowers_superlink_gave_up_still_has_the_head(
                                   lean_ray=True)
     assert len(faked) == 1
     assert res["status"] == "finished:completed", res["log"].read_text()[-3000:]
+
+
+def test_a_simulate_py_killed_outright_leaves_no_superlink_no_head_and_no_reaper(tmp_path):
+    """SIGKILL (or the OOM killer) gives simulate.py no chance to clean up; Flower's SuperLink and the lean Ray head
+    run detached and used to stay.  Its reaper (a shell waiting on a pipe from it) runs the cleanup instead."""
+    import subprocess
+    import sys
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="pgvi-ray-k"))  # short: Ray's socket paths must stay under 108 bytes
+    out = tmp_path / "sim"
+    home = out / "flwr-home"
+    overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in {**BASE, "num-server-rounds": 100000,
+                                                              "round-timeout-s": 60}.items())
+    env = {**os.environ, **simulate.FLWR_ENV, "RAY_TMPDIR": str(ray_tmp)}
+    log = open(tmp_path / "simulate.out", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, str(simulate.ROOT / "scripts" / "simulate.py"), "--lean-ray", "--out",
+                             str(out), "-c", overrides], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        end = time.time() + 300
+        while time.time() < end and proc.poll() is None:  # until rounds are being recorded
+            if list(out.glob("outputs/run-*/metrics.jsonl")):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "simulate.out").read_text()[-3000:]
+        assert simulate._pids_with_env("FLWR_HOME", str(home)) and _naming(ray_tmp)  # a SuperLink and a head run
+        reapers = [p for p in simulate._children(proc.pid) if "/bin/sh" in _cmdline(p)]
+        assert len(reapers) == 1, [_cmdline(p) for p in simulate._children(proc.pid)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        end = time.time() + 90
+        while time.time() < end and (simulate._pids_with_env("FLWR_HOME", str(home)) or _naming(ray_tmp)
+                                     or simulate._alive(reapers[0]) or any(ray_tmp.iterdir())):
+            time.sleep(0.5)
+        assert simulate._pids_with_env("FLWR_HOME", str(home)) == []
+        assert _naming(ray_tmp) == [] and list(ray_tmp.iterdir()) == []  # head stopped, its temp dir removed
+        assert not simulate._alive(reapers[0])
+        log.close()
+        assert "the simulation's process died without stopping its processes" in (
+            tmp_path / "simulate.out").read_text()
+    finally:
+        log.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _kill(simulate._pids_with_env("FLWR_HOME", str(home)) + _naming(ray_tmp), ray_tmp)

@@ -451,3 +451,28 @@ def test_lean_ray_takes_its_temp_dir_under_ray_tmpdir_and_the_superlinks_ports_a
     after = picked[picked.index(-1) + 1:]
     assert int(seen[0]["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]) in after
     assert int(seen[0]["FLWR_LOCAL_CONTROL_API_PORT"]) in after
+
+
+def test_the_reaper_exits_on_done_and_stops_the_simulations_processes_at_end_of_file(tmp_path):
+    """simulate.py's reaper (a shell reading a pipe): ``done`` ends it with nothing stopped; end of file without it
+    (simulate.py died) runs ``simulate.py --reap``, which stops every process of the simulation's FLWR_HOME."""
+    home = tmp_path / "flwr-home"
+
+    def sleeper() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                env={**os.environ, "FLWR_HOME": str(home)}, start_new_session=True)
+
+    a = sleeper()
+    try:
+        reaper = simulate._Reaper(home, simulate.free_port())
+        reaper.tell("--port=1")
+        reaper.dismiss()
+        assert reaper.proc.returncode == 0 and a.poll() is None  # told "done": nothing stopped
+        reaper = simulate._Reaper(home, simulate.free_port())
+        assert reaper.proc.stdin is not None
+        reaper.proc.stdin.close()  # as when simulate.py is killed: end of file, no "done"
+        assert reaper.proc.wait(timeout=60) == 0
+        assert a.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if a.poll() is None:
+            a.kill()
