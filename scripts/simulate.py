@@ -507,9 +507,14 @@ class _Reaper:
 
     def __init__(self, home: Path, http_port: int, lock_fd: int | None = None) -> None:
         env = {**os.environ, "SIMULATE_PY": str(Path(__file__).resolve())}
-        self.proc = subprocess.Popen(["/bin/sh", "-c", _REAPER_SH, sys.executable], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, start_new_session=True, env=env,
-                                     pass_fds=() if lock_fd is None else (lock_fd,))
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                ["/bin/sh", "-c", _REAPER_SH, sys.executable], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                start_new_session=True, env=env, pass_fds=() if lock_fd is None else (lock_fd,))
+        except OSError as err:  # e.g. an image without /bin/sh: the simulation runs, only this safety net is missing
+            _warn(f"no reaper ({type(err).__name__}: {err}): if this script is killed outright (SIGKILL), its "
+                  "SuperLink and Ray processes keep running")
+            self.proc = None
         self.tell(f"--home={home}")
         self.tell(f"--port={http_port}")
 
@@ -517,14 +522,16 @@ class _Reaper:
         """Send the reaper one line (never raises: a reaper that is gone cannot be told anything)."""
         assert "\n" not in line, line
         try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write((line + "\n").encode())
-            self.proc.stdin.flush()
+            if self.proc is not None and self.proc.stdin is not None:
+                self.proc.stdin.write((line + "\n").encode())
+                self.proc.stdin.flush()
         except (OSError, ValueError):
             pass
 
     def dismiss(self) -> None:
         """This process has cleaned up: the reaper exits without doing anything (waited for, up to 10 s)."""
+        if self.proc is None:
+            return
         self.tell("done")
         try:
             assert self.proc.stdin is not None

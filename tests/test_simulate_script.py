@@ -476,3 +476,19 @@ def test_the_reaper_exits_on_done_and_stops_the_simulations_processes_at_end_of_
     finally:
         if a.poll() is None:
             a.kill()
+
+
+def test_without_bin_sh_the_simulation_runs_without_a_reaper_and_says_so(monkeypatch, capsys, tmp_path):
+    real_popen = simulate.subprocess.Popen
+
+    def no_sh(cmd, *a, **kw):
+        if cmd[0] == "/bin/sh":
+            raise FileNotFoundError(2, "No such file or directory", "/bin/sh")
+        return real_popen(cmd, *a, **kw)
+
+    monkeypatch.setattr(simulate.subprocess, "Popen", no_sh)
+    reaper = simulate._Reaper(tmp_path / "home", 1)
+    reaper.tell("--port=2")
+    reaper.dismiss()
+    assert reaper.proc is None
+    assert "no reaper (FileNotFoundError" in capsys.readouterr().err
