@@ -68,7 +68,9 @@ MODULE = "flwr.supernode.runtime.run_clientapp"
 NAME = "install_from_fab"
 #: The markers' directory under ``FLWR_HOME``; per Flower version, one file per installed FAB, named by its full
 #: SHA-256 and holding the directory Flower installed it to.
-MARKER_DIR = ".pgvi-installed-fabs"
+MARKER_DIR = ".pgvi-installed-fabs-v2"  # v2: the install's modules were compiled (:func:`compile_app`) before the
+# marker was written; a node's markers of the version before are not trusted, so its FABs are installed (and compiled)
+# once more
 #: Environment variable: ``0`` / ``false`` / ``no`` / ``off`` turn the cache off.
 ENV_FAB_CACHE = "PGVI_FAB_CACHE"
 

@@ -194,7 +194,7 @@ def _pids_listening(port: int) -> list[int]:
 
 def _pids_with_env(key: str, value: str) -> list[int]:
     """Processes whose environment has ``key=value`` (every process of one simulation shares its FLWR_HOME)."""
-    needle = f"{key}={value}".encode()
+    needle = os.fsencode(f"{key}={value}")  # as the environment holds it: a path need not be valid UTF-8
     out = []
     for pid in _proc_pids():
         if pid != os.getpid():
@@ -256,13 +256,15 @@ class SimulationTimeout(RuntimeError):
     """The simulation did not finish within the time it was given (its processes were stopped)."""
 
 
-def stop_local_superlink(port: int, home: Path | None = None, timeout: float = 20.0) -> None:
-    """Terminate the managed SuperLink listening on ``port``, everything it spawned and (if ``home`` is
-    given) every other process of this simulation (found by its FLWR_HOME): SIGTERM, then SIGKILL for what
-    still runs after ``timeout`` s.  Each lookup is on its own: one that fails (warned) never keeps the others
-    from running, nor anything found from being stopped."""
+def stop_local_superlink(port: int | None, home: Path | None = None, timeout: float = 20.0) -> None:
+    """Terminate the managed SuperLink listening on ``port`` (``None``: no lookup by port), everything it spawned
+    and (if ``home`` is given) every other process of this simulation (found by its FLWR_HOME): SIGTERM, then
+    SIGKILL for what still runs after ``timeout`` s.  Each lookup is on its own: one that fails (warned) never keeps
+    the others from running, nor anything found from being stopped."""
     pids: set[int] = set()
-    lookups: list[tuple[str, Callable[[], list[int]]]] = [("listening on port", lambda: _pids_listening(port))]
+    lookups: list[tuple[str, Callable[[], list[int]]]] = []
+    if port is not None:
+        lookups.append(("listening on port", lambda: _pids_listening(port)))
     if home is not None:
         lookups.append(("of FLWR_HOME", lambda: _pids_with_env("FLWR_HOME", str(home))))
     for what, lookup in lookups:
@@ -448,7 +450,7 @@ def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None, ray_head:
 LEAN_RAY_STOP_GRACE_S = 2.0
 
 
-def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None, ray_head: LeanHead | None) -> None:
+def _stop_everything(http_port: int | None, home: Path, own: subprocess.Popen | None, ray_head: LeanHead | None) -> None:
     if ray_head is not None:  # first, with its short grace (the FLWR_HOME scan below would give it 20 s)
         try:
             # with their descendants, listed before any is signalled: Ray's agents and workers (the raylet's
@@ -483,13 +485,14 @@ def _stop_everything(http_port: int, home: Path, own: subprocess.Popen | None, r
 
 #: The reaper's waiting stage (see :class:`_Reaper`), a POSIX shell: about 1 MB resident instead of the ~20 MB of an
 #: interpreter that has imported this module, for the whole length of the simulation.  Each line read is one more
-#: argument of the cleanup; ``done`` ends it; end of file runs the cleanup.
+#: argument of the cleanup (hex-encoded bytes: any path, also one with a newline or not valid UTF-8); ``done`` ends
+#: it; end of file runs the cleanup.
 _REAPER_SH = """trap '' INT TERM HUP
 while IFS= read -r line; do
   [ "$line" = done ] && exit 0
   set -- "$@" "$line"
 done
-exec "$0" -S -I "$SIMULATE_PY" --reap "$@"
+exec "$0" -S -I -B "$SIMULATE_PY" --reap "$@"
 """
 
 
@@ -499,13 +502,14 @@ class _Reaper:
     Flower's SuperLink and a lean Ray head run detached from this process, so a ``kill -9`` of it (or the kernel's OOM
     killer) used to leave them running.  The reaper is ``/bin/sh`` (:data:`_REAPER_SH`) in a session of its own, with
     Ctrl-C, SIGTERM and SIGHUP ignored (this process's own cleanup handles those), reading a pipe from this process:
-    the lines ``--home=...``, ``--port=N`` (the SuperLink's HTTP port, again when it changes) and ``--head=MARKER:DIR``
-    (the lean Ray head), and ``done`` after this process's own cleanup, when it exits.  End of file without ``done``
-    means this process died: the shell then runs ``simulate.py --reap`` with those lines as arguments, which runs the
-    same cleanup (:func:`_stop_everything`).  It holds the FLWR_HOME lock too, so a new simulation on the same ``--out``
-    is refused until that cleanup has finished."""
+    the arguments ``--home=...``, ``--lock-fd=N``, ``--head=MARKER:DIR`` (the lean Ray head, once it is being started)
+    and ``--port=N`` (the SuperLink's HTTP port, once it is final: before, a port lookup could find another program),
+    and ``done`` after this process's own cleanup, when it exits.  End of file without ``done`` means this process
+    died: the shell then runs ``simulate.py --reap`` with those arguments, which runs the same cleanup
+    (:func:`_stop_everything`).  It holds the FLWR_HOME lock too (writing its own pid into it), so a new simulation on
+    the same ``--out`` is refused until that cleanup has finished."""
 
-    def __init__(self, home: Path, http_port: int, lock_fd: int | None = None) -> None:
+    def __init__(self, home: Path, lock_fd: int | None = None) -> None:
         env = {**os.environ, "SIMULATE_PY": str(Path(__file__).resolve())}
         try:
             self.proc: subprocess.Popen | None = subprocess.Popen(
@@ -516,23 +520,29 @@ class _Reaper:
                   "SuperLink and Ray processes keep running")
             self.proc = None
         self.tell(f"--home={home}")
-        self.tell(f"--port={http_port}")
+        if lock_fd is not None:
+            self.tell(f"--lock-fd={lock_fd}")
 
-    def tell(self, line: str) -> None:
-        """Send the reaper one line (never raises: a reaper that is gone cannot be told anything)."""
-        assert "\n" not in line, line
+    def tell(self, arg: str) -> None:
+        """Send the reaper one argument of its cleanup (a reaper that is gone is warned about once, not raised)."""
         try:
             if self.proc is not None and self.proc.stdin is not None:
-                self.proc.stdin.write((line + "\n").encode())
+                self.proc.stdin.write(os.fsencode(arg).hex().encode() + b"\n")
                 self.proc.stdin.flush()
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError) as err:  # the reaper is gone (a broken pipe)
+            _warn(f"the reaper stopped listening ({type(err).__name__}: {err}): if this script is killed outright, "
+                  "its SuperLink and Ray processes keep running")
 
     def dismiss(self) -> None:
         """This process has cleaned up: the reaper exits without doing anything (waited for, up to 10 s)."""
         if self.proc is None:
             return
-        self.tell("done")
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(b"done\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # gone: nothing to tell
+            pass
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
@@ -546,19 +556,24 @@ class _Reaper:
 
 
 def _reap(argv: list[str]) -> int:
-    """``simulate.py --reap --home=H --port=N [--head=MARKER:DIR] ...``: the cleanup of a simulation whose
-    ``simulate.py`` died (:class:`_Reaper`); the last ``--port`` counts."""
+    """``simulate.py --reap HEX...``: the cleanup of a simulation whose ``simulate.py`` died (:class:`_Reaper`).  Each
+    argument is the hex of one of ``--home=H [--lock-fd=N] [--head=MARKER:DIR] [--port=N]``."""
     ap = argparse.ArgumentParser(prog="simulate.py --reap")
     ap.add_argument("--home", type=Path, required=True)
-    ap.add_argument("--port", type=int, action="append", required=True)
+    ap.add_argument("--lock-fd", type=int, default=None)
+    ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--head", default=None)
-    args = ap.parse_args(argv)
+    args = ap.parse_args([os.fsdecode(bytes.fromhex(a)) for a in argv])
+    if args.lock_fd is not None:  # the lock now names this process (a second simulation's refusal says who holds it)
+        with contextlib.suppress(OSError):
+            os.ftruncate(args.lock_fd, 0)
+            os.pwrite(args.lock_fd, f"{os.getpid()}\n".encode(), 0)
     head = None
     if args.head:
         marker, _, temp_dir = args.head.partition(":")
         head = LeanHead(marker, Path(temp_dir))
     _warn(f"the simulation's process died without stopping its processes (FLWR_HOME={args.home}); stopping them")
-    _stop_everything(args.port[-1], args.home, None, head)
+    _stop_everything(args.port, args.home, None, head)
     return 0
 
 
@@ -599,7 +614,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     failure = ""  # why the SuperLink started here did not answer
     ls = None
     ray_head: LeanHead | None = None
-    reaper = _Reaper(home, http_port, lock_fd)
+    reaper = _Reaper(home, lock_fd)
     try:
         if lean_ray:
             # (under RAY_TMPDIR, as Ray's own head, else the system's temp dir; not workdir: Ray's socket paths must
@@ -619,7 +634,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             # it, they stay free until `flwr run` starts the SuperLink seconds later, and the head could take them
             http_port, control_port = free_port(), free_port()
             env.update(_superlink_ports_env(http_port, control_port))
-            reaper.tell(f"--port={http_port}")
+        reaper.tell(f"--port={http_port}")  # final now: the SuperLink `flwr run` starts listens on it
         for attempt in range(2):
             with open(log_path, "w") as log:
                 try:
@@ -656,10 +671,13 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             except subprocess.TimeoutExpired:  # the status is then reported as "unknown"
                 _warn("`flwr ls` did not answer within 120 s: the run's final status is unknown")
     finally:
-        try:
-            _cleanup(http_port, home, own, ray_head)
-        finally:
-            reaper.dismiss()
+        # the reaper is dismissed with the stop signals still ignored: one landing between the cleanup and "done"
+        # would end this process and make the reaper run the cleanup again
+        with signal_handlers(signal.SIG_IGN, (signal.SIGINT, *STOP_SIGNALS)):
+            try:
+                _cleanup(http_port, home, own, ray_head)
+            finally:
+                reaper.dismiss()
     seconds = time.time() - t0
     ls_out = ls.stdout if ls is not None and isinstance(ls.stdout, str) else ""
     runs = json.loads(ls_out).get("runs", []) if ls_out.strip().startswith("{") else []

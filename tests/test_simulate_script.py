@@ -453,10 +453,15 @@ def test_lean_ray_takes_its_temp_dir_under_ray_tmpdir_and_the_superlinks_ports_a
     assert int(seen[0]["FLWR_LOCAL_CONTROL_API_PORT"]) in after
 
 
-def test_the_reaper_exits_on_done_and_stops_the_simulations_processes_at_end_of_file(tmp_path):
+@pytest.mark.parametrize("name", ["flwr-home", "a\nb c:d $(x) caf\udce9"])  # a newline, not UTF-8 (byte 0xe9)
+def test_the_reaper_exits_on_done_and_stops_the_simulations_processes_at_end_of_file(tmp_path, name):
     """simulate.py's reaper (a shell reading a pipe): ``done`` ends it with nothing stopped; end of file without it
-    (simulate.py died) runs ``simulate.py --reap``, which stops every process of the simulation's FLWR_HOME."""
-    home = tmp_path / "flwr-home"
+    (simulate.py died) runs ``simulate.py --reap``, which stops every process of the simulation's FLWR_HOME, whatever
+    bytes its path holds, and meanwhile holds the FLWR_HOME lock with its own pid in it."""
+    import fcntl
+
+    home = tmp_path / name
+    home.mkdir()
 
     def sleeper() -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
@@ -464,15 +469,25 @@ def test_the_reaper_exits_on_done_and_stops_the_simulations_processes_at_end_of_
 
     a = sleeper()
     try:
-        reaper = simulate._Reaper(home, simulate.free_port())
+        reaper = simulate._Reaper(home)
         reaper.tell("--port=1")
         reaper.dismiss()
         assert reaper.proc.returncode == 0 and a.poll() is None  # told "done": nothing stopped
-        reaper = simulate._Reaper(home, simulate.free_port())
-        assert reaper.proc.stdin is not None
+        with open(home / ".simulate.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.write("12345\n")
+            lock.flush()
+            reaper = simulate._Reaper(home, lock.fileno())
+        assert reaper.proc.stdin is not None  # the lock is now held by the reaper alone
+        with open(home / ".simulate.lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        reaper.tell("--port=1")
         reaper.proc.stdin.close()  # as when simulate.py is killed: end of file, no "done"
         assert reaper.proc.wait(timeout=60) == 0
         assert a.wait(timeout=10) == -signal.SIGTERM
+        assert (home / ".simulate.lock").read_text() == f"{reaper.proc.pid}\n"  # the shell exec'd the cleanup
+        with open(home / ".simulate.lock") as other:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the reaper exited
     finally:
         if a.poll() is None:
             a.kill()
@@ -487,7 +502,7 @@ def test_without_bin_sh_the_simulation_runs_without_a_reaper_and_says_so(monkeyp
         return real_popen(cmd, *a, **kw)
 
     monkeypatch.setattr(simulate.subprocess, "Popen", no_sh)
-    reaper = simulate._Reaper(tmp_path / "home", 1)
+    reaper = simulate._Reaper(tmp_path / "home")
     reaper.tell("--port=2")
     reaper.dismiss()
     assert reaper.proc is None
