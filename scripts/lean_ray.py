@@ -27,7 +27,7 @@ Ray 2.55's launcher passes them no address to bind to), and a Ray cluster withou
 connection asks of it.  The head is therefore started with Ray's token authentication (Ray >= 2.52,
 ``RAY_AUTH_MODE=token``), with a random 256-bit token in ``<temp dir>/auth-token`` (mode 0600, named by
 ``RAY_AUTH_TOKEN_PATH``), which Ray then requires on its control-plane RPCs.  A process joins the head with
-:func:`auth_env` in its environment (``simulate.py`` gives it to ``flwr run``, and so to Flower's ``ray.init``);
+:func:`joining_env` (``simulate.py`` gives it to ``flwr run``, and so to Flower's ``ray.init``);
 without it, or with another token, the GCS refuses the RPC (``InvalidAuthToken``; ``tests/test_lean_ray.py``
 checks the GCS, not the raylet).
 
@@ -45,7 +45,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["LeanRayError", "auth_env", "start_lean_ray_head"]
+__all__ = ["LeanRayError", "auth_env", "joining_env", "start_lean_ray_head"]
 
 #: What the launcher leaves out of ``ray start --head``, as (module, attribute, replacement) for each of Ray's
 #: own steps it replaces.  The names are those of Ray 2.55 (the version flwr[simulation] 1.39 installs); the
@@ -71,6 +71,12 @@ def auth_env(temp_dir: Path) -> dict[str, str]:
     """The environment variables with which a process joins the head whose temp dir is ``temp_dir`` (the head's
     own processes get them from :func:`start_lean_ray_head`)."""
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(temp_dir) / AUTH_TOKEN_FILE)}
+
+
+def joining_env(env: dict[str, str], temp_dir: Path) -> dict[str, str]:
+    """``env`` with :func:`auth_env` of the head in ``temp_dir``, and without a ``RAY_AUTH_TOKEN`` (Ray would take that
+    before the head's token file)."""
+    return {**{k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}, **auth_env(temp_dir)}
 
 
 def _write_token(temp_dir: Path) -> None:
@@ -145,14 +151,14 @@ def start_lean_ray_head(env: dict[str, str], port: int, agent_port: int, temp_di
     join it.  ``cwd``: the working directory of the head's processes and so of every worker (client actor) it
     starts (default: this process's).  ``preexec_fn`` runs in the launcher before it starts (e.g. joining a memory cgroup, which the
     head's processes then inherit).  The head requires the token it writes to ``temp_dir``: join it with
-    :func:`auth_env`.  :class:`LeanRayError` if ``ray start`` fails or takes longer than ``timeout`` s.  Stopping the head (see the module docstring) and removing ``temp_dir`` are the caller's,
-    whether or not it started."""
+    :func:`joining_env`.  :class:`LeanRayError` if ``ray start`` fails or takes longer than ``timeout`` s.  Stopping
+    the head (see the module docstring) and removing ``temp_dir`` are the caller's, whether or not it started."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--temp-dir", str(temp_dir),
            "--dashboard-agent-listen-port", str(agent_port)]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
     _write_token(temp_dir)
-    env = {**{k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}, **auth_env(temp_dir), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**joining_env(env, temp_dir), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)  # `ray start --head` must not be pointed at another cluster
     try:
         done = subprocess.run(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,

@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python scripts/simulate.py`: for scripts.stop_signals
     sys.path.insert(0, str(ROOT))
 from scripts.arg_types import number_above  # noqa: E402
-from scripts.lean_ray import auth_env, start_lean_ray_head  # noqa: E402
+from scripts.lean_ray import joining_env, start_lean_ray_head  # noqa: E402
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 
 FLWR_ENV = {
@@ -436,13 +436,19 @@ def _start_superlink(env: dict, home: Path, http_port: int, control_port: int,
                                 start_new_session=True, preexec_fn=preexec_fn)
 
 
-def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None, ray_head: LeanHead | None = None) -> None:
-    """Stop every process of this simulation; never raises (a failure is warned about: the caller reports the
-    run's own result either way).  Ctrl-C, SIGTERM and SIGHUP are ignored while it runs (in the main thread):
-    a second one would otherwise raise out of the wait for the processes to exit and skip the SIGKILL of those
-    that ignore SIGTERM."""
+def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None, ray_head: LeanHead | None = None,
+             reaper: _Reaper | None = None) -> None:
+    """Stop every process of this simulation, then dismiss ``reaper``; never raises (a failure is warned about: the
+    caller reports the run's own result either way).  Ctrl-C, SIGTERM and SIGHUP are ignored while it runs (in the
+    main thread): a second one would otherwise raise out of the wait for the processes to exit and skip the SIGKILL
+    of those that ignore SIGTERM, and one between the cleanup and the reaper's dismissal would end this process and
+    make the reaper run the cleanup again."""
     with signal_handlers(signal.SIG_IGN, (signal.SIGINT, *STOP_SIGNALS)):
-        _stop_everything(http_port, home, own, ray_head)
+        try:
+            _stop_everything(http_port, home, own, ray_head)
+        finally:
+            if reaper is not None:
+                reaper.dismiss()
 
 
 #: Seconds the lean Ray head's processes get to exit after SIGTERM before SIGKILL (Ray's GCS server ignores
@@ -450,7 +456,8 @@ def _cleanup(http_port: int, home: Path, own: subprocess.Popen | None, ray_head:
 LEAN_RAY_STOP_GRACE_S = 2.0
 
 
-def _stop_everything(http_port: int | None, home: Path, own: subprocess.Popen | None, ray_head: LeanHead | None) -> None:
+def _stop_everything(http_port: int | None, home: Path, own: subprocess.Popen | None,
+                     ray_head: LeanHead | None) -> None:
     if ray_head is not None:  # first, with its short grace (the FLWR_HOME scan below would give it 20 s)
         try:
             # with their descendants, listed before any is signalled: Ray's agents and workers (the raylet's
@@ -524,7 +531,7 @@ class _Reaper:
             self.tell(f"--lock-fd={lock_fd}")
 
     def tell(self, arg: str) -> None:
-        """Send the reaper one argument of its cleanup (a reaper that is gone is warned about once, not raised)."""
+        """Send the reaper one argument of its cleanup (a reaper that is gone is warned about, not raised)."""
         try:
             if self.proc is not None and self.proc.stdin is not None:
                 self.proc.stdin.write(os.fsencode(arg).hex().encode() + b"\n")
@@ -537,19 +544,8 @@ class _Reaper:
         """This process has cleaned up: the reaper exits without doing anything (waited for, up to 10 s)."""
         if self.proc is None:
             return
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(b"done\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError):  # gone: nothing to tell
-            pass
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        except (OSError, ValueError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
+        try:  # writes "done", closes the pipe, waits (a reaper that is gone: the broken pipe is ignored)
+            self.proc.communicate(b"done\n", timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -628,8 +624,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             address = start_lean_ray_head({**head_env, LEAN_RAY_MARKER: ray_head.marker}, free_port(), free_port(),
                                           ray_head.temp_dir, cwd=ROOT, preexec_fn=preexec_fn)
             env["RAY_ADDRESS"] = address  # Flower's ray.init() joins it instead of starting a head
-            env.pop("RAY_AUTH_TOKEN", None)  # (a token set here would take precedence over the head's file)
-            env.update(auth_env(ray_head.temp_dir))  # with the head's token: it refuses every RPC without it
+            env = joining_env(env, ray_head.temp_dir)  # with the head's token: it refuses every RPC without it
             # the SuperLink's ports afresh, now that the head has bound its own (kernel-chosen) ones: picked before
             # it, they stay free until `flwr run` starts the SuperLink seconds later, and the head could take them
             http_port, control_port = free_port(), free_port()
@@ -671,13 +666,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
             except subprocess.TimeoutExpired:  # the status is then reported as "unknown"
                 _warn("`flwr ls` did not answer within 120 s: the run's final status is unknown")
     finally:
-        # the reaper is dismissed with the stop signals still ignored: one landing between the cleanup and "done"
-        # would end this process and make the reaper run the cleanup again
-        with signal_handlers(signal.SIG_IGN, (signal.SIGINT, *STOP_SIGNALS)):
-            try:
-                _cleanup(http_port, home, own, ray_head)
-            finally:
-                reaper.dismiss()
+        _cleanup(http_port, home, own, ray_head, reaper)
     seconds = time.time() - t0
     ls_out = ls.stdout if ls is not None and isinstance(ls.stdout, str) else ""
     runs = json.loads(ls_out).get("runs", []) if ls_out.strip().startswith("{") else []
