@@ -26,12 +26,24 @@ inside the timed epoch).  Per minibatch of ``B`` points and ``S`` samples, layer
 
 For 784-200-10, S = 10: 1,254,400 + 240,000 = 1,494,400 FLOPs per point per epoch.
 
+Step floors (``--threads 1``, one hidden layer).  After the epochs the script measures, in the same run, lower
+bounds on a step's time that no arrangement of the step's other work can remove, and the share of the peak they
+leave reachable: the step's four layer-1 GEMMs as the step calls them (torch's GEMMs at those shapes); the other
+matmul FLOPs at the peak rate itself; the parameter update's memory traffic, the fewest float32 streams any Adam
+step on the mean-field parameters moves (gradients w.r.t. mean and variance, the cavity's two natural parameters,
+mean, raw scale and their four Adam moments: 10 read, 6 written), at this core's rate for such a stream; and the
+``S B H`` standard normals of the hidden layer's draw with the project's generator (Philox4x32-10 and Box-Muller),
+made in a cache-resident tile and not stored.  Each is a bound for this machine with torch's GEMMs and this
+generator, not for every conceivable kernel: a faster small-shape GEMM or normal generator would lower it.
+
 Run:  .venv/bin/python scripts/bench_core.py [--threads 2] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import math
 import os
 import platform
 import re
@@ -49,7 +61,7 @@ from common.divergences import make_divergence  # noqa: E402
 from common.families import MeanFieldGaussian  # noqa: E402
 from common.local_gvi import LocalGVIConfig, local_gvi  # noqa: E402
 from common.losses import make_loss  # noqa: E402
-from common import native  # noqa: E402
+from common import fused_sampling, native  # noqa: E402
 from common.models import make_model  # noqa: E402
 from common.runtime import configure_compute, flush_denormals_from_environment, set_flush_denormals  # noqa: E402
 from scripts.arg_types import int_at_least  # noqa: E402
@@ -123,6 +135,114 @@ def bnn_flops_per_point(sizes: list[int], n_samples: int) -> int:
     forward = 4 * pairs[0] + 4 * n_samples * sum(pairs[1:])
     backward = 4 * pairs[0] + 8 * n_samples * sum(pairs[1:])
     return forward + backward
+
+
+#: The floors' C kernels: the parameter update's fewest streams, and the hidden draw's normals made and dropped.
+_FLOOR_SOURCE = fused_sampling.PHILOX_SOURCE + r"""
+/* r: 4 read-only streams, w: 6 streams read and written, n elements each (the fewest an Adam step on mean-field
+   parameters moves: see scripts/bench_core.py); returns nothing, the writes keep the loop */
+void floor_streams(int64_t n, float *const *r, float *const *w) {
+    const float *a = r[0], *b = r[1], *c = r[2], *d = r[3];
+    float *p = w[0], *q = w[1], *s = w[2], *t = w[3], *u = w[4], *v = w[5];
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float g = (a[i] + b[i]) * 1e-30f + (c[i] + d[i]) * 1e-30f;
+        p[i] += g; q[i] += g; s[i] += g; t[i] += g; u[i] += g; v[i] += g;
+    }
+}
+/* n standard normals of stream 0 under (k0, k1), made tile by tile in a cache-resident buffer and summed (the
+   sum keeps the work; nothing is stored) */
+double floor_normals(int64_t n, uint32_t k0, uint32_t k1) {
+    float z[4 * NB];
+    double sum = 0.0;
+    for (int64_t t = 0; t < n; t += 4 * NB) {
+        philox_normals(z, (uint32_t)(t / 4), 0, k0, k1);
+        int64_t m = n - t < 4 * NB ? n - t : 4 * NB;
+        float part = 0.0f;
+        #pragma omp simd reduction(+:part)
+        for (int64_t i = 0; i < m; i++) part += z[i];
+        sum += part;
+    }
+    return sum;
+}
+"""
+_FLOORS = native.NativeLibrary("benchfloors", _FLOOR_SOURCE, {
+    "floor_streams": ([ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p], None),
+    "floor_normals": ([ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32], ctypes.c_double),
+}, fallback="without the step floors")
+#: float32 streams of the parameter count an Adam step on mean-field parameters reads / writes at the least
+FLOOR_READS, FLOOR_WRITES = 10, 6
+
+
+def _best_seconds(fn, min_time: float = 0.2, rounds: int = 5) -> float:  # type: ignore[no-untyped-def]
+    """The best mean time of one call of ``fn`` over ``rounds`` rounds of at least ``min_time`` s each."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        reps, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < min_time or reps == 0:
+            fn()
+            reps += 1
+        best = min(best, elapsed / reps)
+    return best
+
+
+def step_floors(sizes: list[int], batch: int, n_samples: int, peak: float, min_time: float = 0.2
+                ) -> dict[str, float] | None:
+    """Lower bounds on one step's time (seconds) for the one-hidden-layer BNN ``sizes = [in, H, C]`` on this
+    machine and thread count (see the module docstring), with their sum, the step's matmul FLOPs and the largest
+    share of ``peak`` (GFLOP/s) they leave reachable; None without the floors' kernels or for another depth."""
+    lib = _FLOORS.get()
+    if lib is None or len(sizes) != 3:
+        return None
+    d, h, c = sizes
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, d, generator=g)
+    x2 = x * x
+    w, wv = torch.randn(h, d, generator=g) * 0.05, torch.rand(h, d, generator=g) * 1e-3
+    b, bv = torch.zeros(h), torch.full((h,), 1e-3)
+    d_mu, d_var = torch.randn(batch, h, generator=g), torch.randn(batch, h, generator=g)
+
+    def gemms() -> None:  # the four calls of common/explicit_step.py's step
+        torch.addmm(b, x, w.t())
+        torch.addmm(bv, x2, wv.t())
+        d_mu.t().mm(x)
+        d_var.t().mm(x2)
+
+    params = d * h + h + h * c + c
+    reads = [torch.rand(params, generator=g) for _ in range(FLOOR_READS - FLOOR_WRITES)]
+    writes = [torch.rand(params, generator=g) for _ in range(FLOOR_WRITES)]
+    r_ptrs = (ctypes.c_void_p * len(reads))(*[t.data_ptr() for t in reads])
+    w_ptrs = (ctypes.c_void_p * len(writes))(*[t.data_ptr() for t in writes])
+    normals = n_samples * batch * h
+    layer1_flops = 8 * batch * d * h  # two forward GEMMs and two weight-gradient GEMMs
+    step_flops = bnn_flops_per_point(sizes, n_samples) * batch
+    out = {
+        "gemms": _best_seconds(gemms, min_time),
+        "other_matmul": (step_flops - layer1_flops) / (peak * 1e9),
+        "streams": _best_seconds(lambda: lib.floor_streams(params, r_ptrs, w_ptrs), min_time),
+        "normals": _best_seconds(lambda: lib.floor_normals(normals, 12345, 678), min_time),
+    }
+    out["stream_bytes"] = float(4 * params * (FLOOR_READS + FLOOR_WRITES))
+    out["layer1_flops"], out["step_flops"], out["normals_count"] = float(layer1_flops), float(step_flops), float(normals)
+    out["sum"] = out["gemms"] + out["other_matmul"] + out["streams"] + out["normals"]
+    out["reachable"] = step_flops / out["sum"] / (peak * 1e9)
+    return out
+
+
+def floors_line(fl: dict[str, float], peak: float, batch: int, step_seconds: dict[str, float],
+                target: float = 0.6) -> str:
+    """The printed summary of :func:`step_floors` against the epochs' seconds per step."""
+    ms = {k: 1e3 * fl[k] for k in ("gemms", "other_matmul", "streams", "normals", "sum")}
+    need = 1e3 * fl["step_flops"] / (target * peak * 1e9)
+    took = ", ".join(f"{name} {1e3 * t:.2f}" for name, t in step_seconds.items())
+    return (f"step floors, ms per step of {batch} points (lower bounds on this machine, torch's GEMMs and this "
+            f"generator): layer-1 GEMMs {ms['gemms']:.2f} ({fl['layer1_flops'] / fl['gemms'] / 1e9:.1f} GFLOP/s); "
+            f"the other matmul FLOPs at the peak {ms['other_matmul']:.2f}; the parameter update's "
+            f"{FLOOR_READS} + {FLOOR_WRITES} float32 streams {ms['streams']:.2f} "
+            f"({fl['stream_bytes'] / fl['streams'] / 1e9:.1f} GB/s); {fl['normals_count']:,.0f} normals "
+            f"{ms['normals']:.2f}; sum {ms['sum']:.2f} -> at most {100 * fl['reachable']:.0f}% of the peak is "
+            f"reachable ({100 * target:.0f}% needs {need:.2f} ms per step; the epochs took {took})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,6 +327,14 @@ def main(argv: list[str] | None = None) -> None:
             f"the CPU-time peak; minor page faults per epoch {', '.join(str(f) for f in faults)}; "
             f"objective {res.objective_trace[0]:.1f}, path {res.path}, peak RSS after it {rss_after:.0f} MiB"
         )
+
+    if args.threads == 1:
+        fl = step_floors(model.sizes, args.batch, args.samples, peak)
+        if fl is not None:
+            steps = math.ceil(args.n / args.batch)
+            print(floors_line(fl, peak, args.batch, {name: min(times) / steps for name, times, *_ in measured}))
+    else:
+        print("step floors: measured with --threads 1 only (the floors' kernels run on one thread)")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -241,6 +241,7 @@ def bench_core(monkeypatch):
     monkeypatch.setattr(bc, "kernel_description", lambda: "stub kernels")
     monkeypatch.setattr(bc, "local_gvi", lambda *a, **k: types.SimpleNamespace(objective_trace=[0.0], path="stub"))
     monkeypatch.setattr(bc, "matmul_peak", lambda sizes: (1.0, 1.0, {256: (1.0, 1.0)}))
+    monkeypatch.setattr(bc, "step_floors", lambda *a, **k: None)
     return bc
 
 
