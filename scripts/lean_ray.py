@@ -28,8 +28,9 @@ connection asks of it.  The head is therefore started with Ray's token authentic
 ``RAY_AUTH_MODE=token``), with a random 256-bit token in ``<temp dir>/auth-token`` (mode 0600, named by
 ``RAY_AUTH_TOKEN_PATH``), which Ray then requires on its control-plane RPCs.  A process joins the head with
 :func:`joining_env` (``simulate.py`` gives it to ``flwr run``, and so to Flower's ``ray.init``);
-without it, or with another token, the GCS refuses the RPC (``InvalidAuthToken``; ``tests/test_lean_ray.py``
-checks the GCS, not the raylet).
+without it, or with another token, the GCS and the raylet's node manager refuse the RPC (``InvalidAuthToken``,
+``UNAUTHENTICATED``), and the runtime-env agent, an HTTP server on the machine's own address, answers 401/403
+(``tests/test_lean_ray.py`` checks the three).
 
 Usage as a script (what :func:`start_lean_ray_head` runs): ``python scripts/lean_ray.py --port P --temp-dir D
 [--num-cpus N]``.

@@ -91,6 +91,7 @@ def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it(t
         assert len(raylet) == 1 and "--min_worker_port=0 " in raylet[0] and "--max_worker_port=0 " in raylet[0], raylet
         assert (head.temp_dir / "ray_current_cluster").read_text().strip().endswith(address.split(":")[1])
         _check_the_gcs_wants_the_token(head.temp_dir, address)
+        _check_the_raylet_and_the_runtime_env_agent_want_the_token(head)
         t0 = time.time()
         simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
         assert time.time() - t0 < simulate.LEAN_RAY_STOP_GRACE_S + 5  # the GCS ignores SIGTERM: killed after the grace
@@ -131,6 +132,78 @@ def _check_the_gcs_wants_the_token(temp_dir: Path, address: str) -> None:
     assert seen["head's"] == "OK", seen
     for name in ("none", "other"):
         assert seen[name].startswith("ERR AuthenticationError") and "InvalidAuthToken" in seen[name], seen
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """The TCP (v4 and v6) addresses ``pid`` listens on, from its socket inodes and ``/proc/net/tcp*``."""
+    import socket
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                raw, port = fields[1].split(":")
+                words = bytes.fromhex(raw)  # the kernel prints each 32-bit word in host (little-endian) order
+                packed = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))
+                found.append((socket.inet_ntop(family, packed), int(port, 16)))
+    return found
+
+
+def _check_the_raylet_and_the_runtime_env_agent_want_the_token(head: simulate.LeanHead) -> None:
+    """Besides the GCS, the head's raylet (its node manager listens on every interface) and its runtime-env agent
+    (an HTTP server on the machine's address that installs packages and fetches code for runtime environments)
+    refuse a request without the head's token, or with another one, and answer one with it."""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    token = (head.temp_dir / lean_ray.AUTH_TOKEN_FILE).read_text().strip()
+    tokens = {"none": None, "other": "0" * 64, "head's": token}
+    family = {p: _cmdline(p) for p in _head_family(head.marker)}
+    raylet = next(p for p, c in family.items() if "raylet" in c.split(" ")[0])
+    answers = {}
+    for _, port in _listening(raylet):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+            for name, tok in tokens.items():
+                try:
+                    stub.GetSystemConfig(node_manager_pb2.GetSystemConfigRequest(), timeout=10,
+                                         metadata=None if tok is None else [("authorization", f"Bearer {tok}")])
+                    answers[(port, name)] = "OK"
+                except grpc.RpcError as err:
+                    answers[(port, name)] = err.code().name
+    node_manager = [port for (port, name), a in answers.items() if name == "head's" and a == "OK"]
+    assert len(node_manager) == 1, answers
+    assert answers[(node_manager[0], "none")] == answers[(node_manager[0], "other")] == "UNAUTHENTICATED", answers
+
+    agent = next(p for p, c in family.items() if "ray::RuntimeEnvAgent" in c)
+    end = time.time() + 60  # the agent starts its server after the raylet is up
+    while not (addresses := _listening(agent)) and time.time() < end:
+        time.sleep(0.5)
+    assert addresses, "the runtime-env agent listens nowhere"
+    host, port = addresses[0]
+    status = {}
+    for name, tok in tokens.items():
+        req = urllib.request.Request(f"http://{'[' + host + ']' if ':' in host else host}:{port}/get_runtime_envs_info",
+                                     data=b"", method="POST",
+                                     headers={} if tok is None else {"Authorization": f"Bearer {tok}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as res:
+                status[name] = res.status
+        except urllib.error.HTTPError as err:
+            status[name] = err.code
+    assert status["head's"] == 200 and status["none"] in (401, 403) and status["other"] in (401, 403), status
 
 
 def test_a_second_head_in_the_same_temp_dir_does_not_reuse_or_follow_its_token_file(tmp_path):
