@@ -369,6 +369,15 @@ class ScoreMatchingLoss(Loss):
             w = torch.full_like(r2, bw)
             return w, torch.zeros_like(residual)
         c2 = self.c * self.c
+        if residual.dtype.is_floating_point:
+            # the rule common.config applies to sm-c before round 1: c^2 and 1/c^2 normal floats of the dtype.  A
+            # c^2 that underflows to 0 made the weight 0/0 = NaN at a zero residual (a point at the reference mean)
+            tiny = torch.finfo(residual.dtype).tiny
+            if not tiny**0.5 <= self.c <= tiny**-0.5:
+                raise ValueError(f"score_matching: kernel scale c={self.c:g} is not usable in {residual.dtype}: c^2 "
+                                 f"and its inverse must be normal floats, i.e. c within [{tiny**0.5:.4g}, "
+                                 f"{tiny**-0.5:.4g}]" + ("; or compute in float64" if residual.dtype != torch.float64
+                                                        else ""))
         if self.weight == "imq":
             w = bw * torch.rsqrt(1.0 + r2 / c2)
             grad = -(w / (c2 + r2)).unsqueeze(-1) * residual

@@ -193,3 +193,35 @@ def test_float32_gaussian_loss_gradients_are_finite_where_the_true_ones_are(loss
     if math.isfinite(grads[torch.float64]) and abs(grads[torch.float64]) < torch.finfo(torch.float32).max / 2:
         assert math.isfinite(grads[torch.float32]), grads
         assert grads[torch.float32] == pytest.approx(grads[torch.float64], rel=1e-4, abs=1e-30)
+
+
+@pytest.mark.parametrize(("dtype", "c"), [(torch.float32, 1e-23), (torch.float64, 1e-170), (torch.float32, 1e25)])
+@pytest.mark.parametrize("weight", ["imq", "se"])
+def test_score_matching_refuses_a_kernel_scale_whose_square_leaves_the_normal_floats(dtype, c, weight):
+    """c = 1e-23 in float32 passed the c > 0 guard; c^2 underflowed to 0 and a point at the reference mean got the
+    weight 0/0 = NaN (the loss and the conjugate update's shift NaN).  Refused now with the range common.config
+    applies to sm-c before round 1."""
+    from common.models import GaussianLocationModel
+
+    model = GaussianLocationModel(dim=1, sigma=1.0)
+    loss = make_loss("score_matching", weight=weight, c=c)
+    y = torch.tensor([[0.5], [2.0]], dtype=dtype)
+    ref = model.output({"theta": torch.tensor([[0.5]], dtype=dtype)}, y)  # y[0] is at the reference mean
+    out = model.output({"theta": torch.tensor([[0.3]], dtype=dtype)}, y)
+    with pytest.raises(ValueError, match=r"score_matching: kernel scale c=.* is not usable in torch\.float(32|64)"):
+        loss(out, y, reference=ref)
+    with pytest.raises(ValueError, match="kernel scale"):
+        loss.quadratic(model, y, y, reference_theta={"theta": torch.tensor([0.5], dtype=dtype)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_score_matching_at_the_edge_of_the_kernel_scale_range_is_finite(dtype):
+    from common.models import GaussianLocationModel
+
+    tiny = torch.finfo(dtype).tiny
+    model = GaussianLocationModel(dim=1, sigma=1.0)
+    y = torch.tensor([[0.5], [2.0]], dtype=dtype)
+    ref = model.output({"theta": torch.tensor([[0.5]], dtype=dtype)}, y)
+    out = model.output({"theta": torch.tensor([[0.3]], dtype=dtype)}, y)
+    for c in (tiny**0.5 * 1.01, tiny**-0.5 * 0.99, 1.0):
+        assert torch.isfinite(make_loss("score_matching", weight="imq", c=c)(out, y, reference=ref)).all(), c
