@@ -236,6 +236,16 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     total = product_of_sites(sites.values(), strategy.problem.prior)
     if total.max_abs_diff(global_site) > _invariant_tolerance(global_site, sites, header["ledger_versions"]):
         raise _mismatch(path, "checkpoint ledger is inconsistent: global site != product of sites")
+    # the posterior is the server step of prior and global site (eq. 7): a stored one that is not (a damaged or
+    # edited file; proper, so the check above passes it) would be sent to clients until the next applied update
+    try:
+        expected = strategy.state.server_step(strategy.problem.prior, global_site)
+    except PGVIError as err:
+        raise _mismatch(path, f"the server step of the checkpoint's global site fails: {_cut(str(err))}") from None
+    scale = max(1.0, *(float(v.abs().max()) for v in expected.params.values() if v.numel()))
+    if not expected.max_abs_diff(posterior) <= _POSTERIOR_TOLERANCE * scale:
+        raise _mismatch(path, "checkpointed posterior != the server step of the prior and the global site "
+                              f"(max difference {expected.max_abs_diff(posterior):.3g} in natural parameters)")
 
     st = strategy.state
     st.posterior, st.global_site, st.sites, st.version = posterior, global_site, sites, header["version"]
@@ -252,6 +262,12 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
     strategy.bad_replies = header["bad_replies"]
     strategy.history = header["history"]
     strategy._posterior_record = None
+
+
+#: relative difference allowed between a checkpoint's posterior and the server step recomputed on load: the step is
+#: deterministic, but an iterative one (Fisher-Rao, Alpha-Renyi by optimisation) may end a rounding apart when the
+#: process resuming runs torch with other threads
+_POSTERIOR_TOLERANCE = 1e-4
 
 
 def _decode_arrays(strategy: PGVIStrategy, arrays: dict[str, np.ndarray]

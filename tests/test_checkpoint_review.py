@@ -488,3 +488,48 @@ def test_a_header_that_is_not_json_is_a_mismatch(tmp_path, checkpoint_run):
     with pytest.raises(CheckpointMismatch, match=re.escape(str(tmp_path / CHECKPOINT_FILE))):
         load_checkpoint(PGVIStrategy(build_problem(parse_run_config(raw))), tmp_path)
 
+
+
+# ------------------------------------------------------------------------------------------------ a later review
+@pytest.mark.parametrize("b", [1e5, 1e7])
+def test_float32_deltas_that_cancel_leave_the_global_site_the_product_of_the_stored_sites(tmp_path, b):
+    """A client whose float32 Deltas cancel (+B in eta1 in round 1, -B in round 2; the posterior stays proper) left
+    the running global site rounding(s) of B away from the product of the sites (0.0076 at B = 1e5): the server then
+    refused its own checkpoint on resume.  The global site is now the stored sites' sum, formed in float64."""
+    def hook(request, reply):
+        if _is_train_reply_of(request, reply, "site-1"):
+            rnd = int(request.content[P.CONFIG]["server-round"])
+            if rnd in (1, 2):
+                d = record_arrays(reply, P.DELTA)
+                for k in d:
+                    if k.startswith("eta1"):
+                        d[k] = (d[k] + np.float32(b if rnd == 1 else -b)).astype(np.float32)
+                set_record_arrays(reply.content, P.DELTA, d)
+        return [reply]
+
+    s = _run(tmp_path, {"family": "mean_field", "dtype": "float32", "num-server-rounds": 3}, reply_hook=hook)
+    assert not s.rejections and s.ledger_versions == {"site-0": 3, "site-1": 3, "site-2": 3}
+    st = s.state
+    exact = st.prior.zeros_like().to(torch.float64)
+    for site in st.sites.values():
+        exact = exact * site.to(torch.float64)
+    assert exact.to(torch.float32).max_abs_diff(st.global_site) == 0.0
+    _, cfg, _ = _setup({"family": "mean_field", "dtype": "float32", "num-server-rounds": 3})
+    resumed = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
+    load_checkpoint(resumed, tmp_path)
+    assert resumed.state.global_site.max_abs_diff(st.global_site) == 0.0
+
+
+def test_a_checkpoint_whose_posterior_is_not_the_server_step_of_its_ledger_is_refused(tmp_path):
+    """The loader checked the posterior proper and the ledger consistent, then took the stored posterior as it was:
+    one doubled (still proper) loaded, and the resumed server sent clients a posterior its ledger does not give."""
+    s = _run(tmp_path)
+    arrays, meta = load_npz(tmp_path / CHECKPOINT_FILE)
+    _, cfg, _ = _setup()
+    load_checkpoint(PGVIStrategy(build_problem(cfg), poll_interval=0.0), tmp_path)  # as written: loads
+    atomic_save_npz(tmp_path / CHECKPOINT_FILE,
+                    {k: (v * 2.0 if k.startswith("posterior|") else v) for k, v in arrays.items()}, meta)
+    with pytest.raises(CheckpointMismatch, match=r"checkpointed posterior != the server step of the prior and the "
+                                                 r"global site .*checkpoint\.npz"):
+        load_checkpoint(PGVIStrategy(build_problem(cfg), poll_interval=0.0), tmp_path)
+    assert s.state.posterior is not None
