@@ -84,10 +84,15 @@ def product_of_sites(sites: Iterable[GaussianFactor], like: GaussianFactor,
         for s in sites:
             total = total * s
         return total
-    total = like.zeros_like().to(accumulate)
+    return _sum_in(sites, like, accumulate).to(like.dtype)
+
+
+def _sum_in(sites: Iterable[GaussianFactor], like: GaussianFactor, dtype: torch.dtype) -> GaussianFactor:
+    """``prod_m t_m`` formed and returned in ``dtype``."""
+    total = like.zeros_like().to(dtype)
     for s in sites:
-        total = total * s.to(accumulate)
-    return total.to(like.dtype)
+        total = total * s.to(dtype)
+    return total
 
 
 def damped_delta(local_posterior: GaussianFactor, posterior: GaussianFactor, rho: float) -> GaussianFactor:
@@ -207,10 +212,7 @@ class PGVIServerState:
         still the one it set, else summed afresh from the sites (after :meth:`remove_site`, a checkpoint's load)."""
         if self._global64 is not None and self._global64[0] is self.global_site:
             return self._global64[1]
-        total = self.prior.zeros_like().to(torch.float64)
-        for s in self.sites.values():
-            total = total * s.to(torch.float64)
-        return total
+        return _sum_in(self.sites.values(), self.prior, torch.float64)
 
     def remove_site(self, client_id: str) -> GaussianFactor:
         """Take a client's site out of the global approximation (``l_s -= l_m``) and reset it to uniform.

@@ -242,8 +242,7 @@ def load_checkpoint(strategy: PGVIStrategy, directory: str | os.PathLike) -> Non
         expected = strategy.state.server_step(strategy.problem.prior, global_site)
     except PGVIError as err:
         raise _mismatch(path, f"the server step of the checkpoint's global site fails: {_cut(str(err))}") from None
-    scale = max(1.0, *(float(v.abs().max()) for v in expected.params.values() if v.numel()))
-    if not expected.max_abs_diff(posterior) <= _POSTERIOR_TOLERANCE * scale:
+    if not expected.max_abs_diff(posterior) <= _POSTERIOR_TOLERANCE * _magnitude([expected]):
         raise _mismatch(path, "checkpointed posterior != the server step of the prior and the global site "
                               f"(max difference {expected.max_abs_diff(posterior):.3g} in natural parameters)")
 
@@ -367,8 +366,11 @@ def _invariant_tolerance(global_site: GaussianFactor, sites: dict[str, GaussianF
     additions rounds by at most eps of the magnitudes involved, so the drift is bounded by about
     n * eps * scale.  A relative 1e-6 is the floor (float64); in float32 (eps 1.2e-7) a long run needs more.
     """
-    factors = [global_site, *sites.values()]
-    scale = max(1.0, *(float(v.abs().max()) for f in factors for v in f.params.values() if v.numel()))
     eps = torch.finfo(global_site.dtype).eps
     n = sum(ledger_versions.values()) + len(sites)
-    return max(1e-6, 4.0 * n * eps) * scale
+    return max(1e-6, 4.0 * n * eps) * _magnitude([global_site, *sites.values()])
+
+
+def _magnitude(factors: list[GaussianFactor]) -> float:
+    """The largest absolute natural parameter of ``factors``, at least 1: the scale a tolerance is relative to."""
+    return max(1.0, *(float(v.abs().max()) for f in factors for v in f.params.values() if v.numel()))

@@ -36,7 +36,7 @@ from common import protocol as P
 from common.atomic_io import atomic_save_npz, load_npz
 from common.config import parse_run_config
 from common.errors import PGVIError
-from common.factors import PGVIServerState, UpdateRejected
+from common.factors import PGVIServerState, UpdateRejected, product_of_sites
 from common.families import MeanFieldGaussian
 from common.problem import build_problem
 from strategies.checkpoint import CHECKPOINT_FILE, CheckpointMismatch, load_checkpoint, save_checkpoint
@@ -510,10 +510,7 @@ def test_float32_deltas_that_cancel_leave_the_global_site_the_product_of_the_sto
     s = _run(tmp_path, {"family": "mean_field", "dtype": "float32", "num-server-rounds": 3}, reply_hook=hook)
     assert not s.rejections and s.ledger_versions == {"site-0": 3, "site-1": 3, "site-2": 3}
     st = s.state
-    exact = st.prior.zeros_like().to(torch.float64)
-    for site in st.sites.values():
-        exact = exact * site.to(torch.float64)
-    assert exact.to(torch.float32).max_abs_diff(st.global_site) == 0.0
+    assert product_of_sites(st.sites.values(), st.prior, torch.float64).max_abs_diff(st.global_site) == 0.0
     _, cfg, _ = _setup({"family": "mean_field", "dtype": "float32", "num-server-rounds": 3})
     resumed = PGVIStrategy(build_problem(cfg), poll_interval=0.0)
     load_checkpoint(resumed, tmp_path)
