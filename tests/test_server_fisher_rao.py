@@ -1,0 +1,182 @@
+"""The Fisher-Rao server step against an independent global minimiser, and its extra start.
+
+The oracle minimises ``F(q) = sum_i L_i + sqrt(sum_i d_i^2)`` by another route than the step: with ``sqrt(S) =
+min_t S / (2 t) + t / 2`` the problem is ``min_t t / 2 + sum_i min_{q_i} (L_i + d_i^2 / (2 t))``, whose inner
+problems are one coordinate each; they are solved on a grid (mean x log scale), ``t`` on a grid, and the best point
+is polished by scipy's BFGS on ``F`` itself.  The distance is the hyperbolic (arccosh) form in numpy, not the
+project's log1p form.  Before the extra start (and the steepest-descent retry at the family's edge) the step was
+above this oracle in 14 of 100 one-coordinate and 7 of 60 two-coordinate problems of this distribution (seed 5) and
+raised 'left the family of distributions' on bounded problems.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize
+
+from common.families import FullCovarianceGaussian, MeanFieldGaussian
+from common.server_fisher_rao import fisher_rao_starts
+from common.server_gvi import make_server_step
+
+F64 = torch.float64
+
+
+def _fr(m1, s1, m2, s2):
+    return math.sqrt(2.0) * np.arccosh(1.0 + (0.5 * (m1 - m2) ** 2 + (s1 - s2) ** 2) / (2.0 * s1 * s2))
+
+
+def _objective(x, e1, e2, mp, sp):
+    d = len(e1)
+    m, s = x[:d], np.exp(x[d:])
+    return float(-(e1 * m + e2 * (m * m + s * s)).sum() + np.sqrt((_fr(m, s, mp, sp) ** 2).sum()))
+
+
+def _oracle(e1, e2, mp, sp, n=161, nt=120):
+    """(objective, point ``[m, log s]``) of a global minimiser, by the separable ``t`` route (module docstring)."""
+    d = len(e1)
+    c = e1 / (-2.0 * e2)
+    span = np.abs(c - mp)
+    grids = []
+    for i in range(d):
+        m = np.linspace(min(mp[i], c[i]) - 0.5 * span[i] - 5 * sp[i], max(mp[i], c[i]) + 0.5 * span[i] + 5 * sp[i], n)
+        u = np.linspace(np.log(sp[i]) - 8.0, np.log(sp[i] + span[i]) + 3.0, n)
+        mm, uu = (a.ravel() for a in np.meshgrid(m, u))
+        ss = np.exp(uu)
+        grids.append((mm, uu, -(e1[i] * mm + e2[i] * (mm ** 2 + ss ** 2)), _fr(mm, ss, mp[i], sp[i]) ** 2))
+    best = (math.inf, None)
+    for t in np.exp(np.linspace(-8.0, 8.0, nt)):
+        x = np.empty(2 * d)
+        for i, (mm, uu, loss, sq) in enumerate(grids):
+            k = int(np.argmin(loss + sq / (2.0 * t)))
+            x[i], x[d + i] = mm[k], uu[k]
+        f = _objective(x, e1, e2, mp, sp)
+        if f < best[0]:
+            best = (f, x)
+    polished = minimize(_objective, best[1], args=(e1, e2, mp, sp), method="BFGS",
+                        options={"gtol": 1e-10, "maxiter": 5000})
+    return (float(polished.fun), polished.x) if polished.fun < best[0] else best
+
+
+def _factors(mp, vp, e1, e2):
+    t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.float64))  # noqa: E731
+    return (MeanFieldGaussian.from_mean_variance({"w": t(mp)}, {"w": t(vp)}),
+            MeanFieldGaussian({"w": t(e1)}, {"w": t(e2)}))
+
+
+def _value(q, e1, e2, mp, sp):
+    return _objective(np.r_[q.mean()["w"].numpy(), 0.5 * np.log(q.variance()["w"].numpy())], e1, e2, mp, sp)
+
+
+@pytest.mark.parametrize("d, n", [(1, 30), (2, 15), (5, 4)])
+def test_step_reaches_the_independent_global_minimum_on_random_problems(d, n):
+    rng = np.random.default_rng(5)
+    gaps = []
+    for _ in range(n):
+        mp, sp = rng.normal(0, 1, d), np.exp(0.5 * rng.normal(0, 1, d))
+        e2, e1 = -0.5 * np.exp(rng.normal(-2, 2, d)), rng.normal(0, 2, d)
+        prior, site = _factors(mp, sp ** 2, e1, e2)
+        q = make_server_step("fisher_rao")(prior, site)
+        best, _ = _oracle(e1, e2, mp, sp)
+        gaps.append(_value(q, e1, e2, mp, sp) - best)
+        # the oracle is an upper bound on the minimum, and the step's result is a point: never far below it
+        assert gaps[-1] > -1e-6 * (1 + abs(best)), (gaps[-1], mp, sp, e1, e2)
+    worst = max(gaps)
+    assert worst <= 1e-6 * (1 + abs(best)), (worst, gaps)
+
+
+@pytest.mark.parametrize("family", ["mean_field", "full"])
+def test_a_weak_far_site_moves_the_posterior_to_its_mode_at_a_wide_scale(family):
+    # a review's example: the prior N(1.17, 2.05) passes its first-order test (the step returned it, objective
+    # -0.632), but N(214.1, 543.6), near the site's mode 219.4 and wide, is the global minimiser (objective -49.70)
+    mp, vp, e1, e2 = 1.17, 2.05, 0.544, -0.00124
+    if family == "full":
+        prior = FullCovarianceGaussian.from_mean_covariance(torch.tensor([mp], dtype=F64), torch.tensor([[vp]], dtype=F64))
+        site = FullCovarianceGaussian(torch.tensor([e1], dtype=F64), torch.tensor([[e2]], dtype=F64))
+    else:
+        prior, site = _factors([mp], [vp], [e1], [e2])
+    step = make_server_step("fisher_rao")
+    q = step(prior, site)
+    mean, var = (q.mean()[0], q.covariance()[0, 0]) if family == "full" else (q.mean()["w"][0], q.variance()["w"][0])
+    best, x = _oracle(np.array([e1]), np.array([e2]), np.array([mp]), np.array([math.sqrt(vp)]))
+    assert step.last_info["objective"] == pytest.approx(best, abs=1e-8)
+    assert float(mean) == pytest.approx(x[0], rel=1e-6) and float(var) == pytest.approx(math.exp(2 * x[1]), rel=1e-5)
+    assert step.last_info["winner"] == "mixed" and step.last_info["starts"] == "kl, mixed"
+    # the plain descent (method="optimise") still stops at the prior: the extra start is what finds the minimum
+    plain = make_server_step("fisher_rao", method="optimise")
+    assert plain(prior, site).max_abs_diff(prior) == 0.0 and plain.last_info["starts"] == "kl"
+
+
+def test_the_site_start_finds_a_minimum_that_neither_candidate_point_shows():
+    # both candidate points (the KL solution and the site's mode) have objectives above the prior's (0.413 and 0.432
+    # against 0.235), so the t-scan keeps the KL solution; the descent from the site's mode reaches N(-4.325, 3.475)
+    mp, sp, e1, e2 = 0.14761217, 0.5709777, -1.34835071, -0.10225633
+    prior, site = _factors([mp], [sp ** 2], [e1], [e2])
+    (name, start), = fisher_rao_starts(prior, site, prior * site, 1e-8)
+    assert name == "site"
+    assert float(start.mean()["w"][0]) == pytest.approx(e1 / (-2 * e2)) and float(
+        start.variance()["w"][0]) == pytest.approx(-0.5 / e2)
+    step = make_server_step("fisher_rao")
+    q = step(prior, site)
+    best, x = _oracle(np.array([e1]), np.array([e2]), np.array([mp]), np.array([sp]))
+    assert _value(q, np.array([e1]), np.array([e2]), np.array([mp]), np.array([sp])) == pytest.approx(best, abs=1e-8)
+    assert best < 0.06 < 0.23 < step.last_info["prior_objective"]
+    assert step.last_info["winner"] == "site"
+
+
+def test_a_quasi_newton_direction_into_the_family_edge_is_retried_as_steepest_descent():
+    # a bounded problem (both site precisions positive) on which the descent from the KL solution ran a scale to
+    # min_scale along an L-BFGS direction while the objective fell for the other coordinate's sake, and raised 'left
+    # the family of distributions ... may be unbounded below' at objective -96.38; the minimum is -168.95
+    mp, sp = np.array([-1.11959998, 1.26280944]), np.array([0.98040567, 1.03802287])
+    e1, e2 = np.array([1.05428292, -0.65830986]), np.array([-0.08148672, -0.00060542])
+    prior, site = _factors(mp, sp ** 2, e1, e2)
+    best, _ = _oracle(e1, e2, mp, sp)
+    for method in ("optimise", "auto"):  # the retry alone (one start), and with the extra start
+        q = make_server_step("fisher_rao", method=method)(prior, site)
+        assert _value(q, e1, e2, mp, sp) == pytest.approx(best, abs=1e-7 * abs(best))
+
+
+def test_the_mixed_start_is_the_lowest_of_the_t_ordered_combinations():
+    # brute force: for each t on a fine grid, each coordinate takes A (the KL solution) or B (the site's mode and
+    # variance), whichever has the lower L_i + d_i^2 / (2 t); the start returned has the lowest objective of those
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        d = 8
+        mp, sp = rng.normal(0, 1, d), np.exp(0.5 * rng.normal(0, 1, d))
+        e2, e1 = -0.5 * np.exp(rng.normal(-2, 2, d)), rng.normal(0, 2, d)
+        prior, site = _factors(mp, sp ** 2, e1, e2)
+        kl = prior * site
+        ma, sa = kl.mean()["w"].numpy(), np.sqrt(kl.variance()["w"].numpy())
+        mb, sb = e1 / (-2 * e2), np.sqrt(-0.5 / e2)
+        la, lb = -(e1 * ma + e2 * (ma ** 2 + sa ** 2)), -(e1 * mb + e2 * (mb ** 2 + sb ** 2))
+        qa, qb = _fr(ma, sa, mp, sp) ** 2, _fr(mb, sb, mp, sp) ** 2
+        brute = math.inf
+        for t in np.exp(np.linspace(-12, 12, 4001)):
+            b = lb + qb / (2 * t) < la + qa / (2 * t)
+            brute = min(brute, _objective(np.r_[np.where(b, mb, ma), np.log(np.where(b, sb, sa))], e1, e2, mp, sp))
+        (name, start), = fisher_rao_starts(prior, site, kl, 1e-8)
+        found = _value(start, e1, e2, mp, sp)
+        assert found <= brute + 1e-9 * (1 + abs(brute)), (found, brute)
+        a_only = _objective(np.r_[ma, np.log(sa)], e1, e2, mp, sp)
+        assert name == ("mixed" if found < a_only else "site")
+        chosen = np.isclose(start.mean()["w"].numpy(), mb, rtol=1e-12, atol=0) & np.isclose(
+            start.variance()["w"].numpy(), sb ** 2, rtol=1e-12, atol=0)
+        kept = np.isclose(start.mean()["w"].numpy(), ma, rtol=1e-12, atol=0)
+        assert np.all(chosen | kept)  # every coordinate is A or B, nothing in between
+
+
+def test_coordinates_without_a_usable_site_keep_the_first_start():
+    # no precision (e2 = 0, e1 = 0), or a site scale at or below min_scale: the coordinate stays at A
+    prior, site = _factors([0.0, 0.0, 0.5], [1.0, 1.0, 2.0], [0.0, 4e20, 0.3], [0.0, -2e20, -0.001])
+    start = prior * site
+    (name, q), = fisher_rao_starts(prior, site, start, 1e-8)
+    mean, var = q.mean()["w"], q.variance()["w"]
+    assert float(mean[0]) == float(start.mean()["w"][0]) and float(var[0]) == float(start.variance()["w"][0])
+    assert float(mean[1]) == float(start.mean()["w"][1]) and float(var[1]) == float(start.variance()["w"][1])
+    assert float(mean[2]) == pytest.approx(150.0) and float(var[2]) == pytest.approx(500.0)
+    no_site = _factors([0.0], [1.0], [0.0], [0.0])
+    assert fisher_rao_starts(*no_site, no_site[0], 1e-8) == []
