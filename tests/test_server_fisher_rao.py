@@ -6,7 +6,8 @@ problems are one coordinate each; they are solved on a grid (mean x log scale), 
 is polished by scipy's BFGS on ``F`` itself.  The distance is the hyperbolic (arccosh) form in numpy, not the
 project's log1p form.  Before the extra start (and the steepest-descent retry at the family's edge) the step was
 above this oracle in 14 of 100 one-coordinate and 7 of 60 two-coordinate problems of this distribution (seed 5) and
-raised 'left the family of distributions' on bounded problems.
+raised 'left the family of distributions' on bounded problems.  The extra start is gated (it runs only from a point
+below the KL solution's objective), which leaves 2 misses in 840 problems (common/server_fisher_rao.py).
 """
 
 from __future__ import annotations
@@ -110,21 +111,19 @@ def test_a_weak_far_site_moves_the_posterior_to_its_mode_at_a_wide_scale(family)
     assert plain(prior, site).max_abs_diff(prior) == 0.0 and plain.last_info["starts"] == "kl"
 
 
-def test_the_site_start_finds_a_minimum_that_neither_candidate_point_shows():
-    # both candidate points (the KL solution and the site's mode) have objectives above the prior's (0.413 and 0.432
-    # against 0.235), so the t-scan keeps the KL solution; the descent from the site's mode reaches N(-4.325, 3.475)
+def test_a_known_miss_stays_at_the_prior_and_is_not_worse_than_the_plain_descent():
+    # the one-coordinate miss the module's docstring reports: the KL solution and the site's mode both have
+    # objectives above the prior's (0.413 and 0.432 against 0.235), so no extra start runs and the step returns the
+    # prior, while N(-4.325, 3.475) reaches 0.052 (the descent from the site's mode finds it; as a start it cost
+    # minutes on weak BNN-size sites, so it is not used).  If a future start finds it, update the docstring.
     mp, sp, e1, e2 = 0.14761217, 0.5709777, -1.34835071, -0.10225633
     prior, site = _factors([mp], [sp ** 2], [e1], [e2])
-    (name, start), = fisher_rao_starts(prior, site, prior * site, 1e-8)
-    assert name == "site"
-    assert float(start.mean()["w"][0]) == pytest.approx(e1 / (-2 * e2)) and float(
-        start.variance()["w"][0]) == pytest.approx(-0.5 / e2)
-    step = make_server_step("fisher_rao")
-    q = step(prior, site)
-    best, x = _oracle(np.array([e1]), np.array([e2]), np.array([mp]), np.array([sp]))
-    assert _value(q, np.array([e1]), np.array([e2]), np.array([mp]), np.array([sp])) == pytest.approx(best, abs=1e-8)
-    assert best < 0.06 < 0.23 < step.last_info["prior_objective"]
-    assert step.last_info["winner"] == "site"
+    assert fisher_rao_starts(prior, site, prior * site, 1e-8) == []
+    q = make_server_step("fisher_rao")(prior, site)
+    plain = make_server_step("fisher_rao", method="optimise")(prior, site)
+    best, _ = _oracle(np.array([e1]), np.array([e2]), np.array([mp]), np.array([sp]))
+    value = _value(q, np.array([e1]), np.array([e2]), np.array([mp]), np.array([sp]))
+    assert q.max_abs_diff(plain) == 0.0 and value == pytest.approx(0.2346, abs=1e-4) and best < 0.06
 
 
 def test_a_quasi_newton_direction_into_the_family_edge_is_retried_as_steepest_descent():
@@ -144,6 +143,7 @@ def test_the_mixed_start_is_the_lowest_of_the_t_ordered_combinations():
     # brute force: for each t on a fine grid, each coordinate takes A (the KL solution) or B (the site's mode and
     # variance), whichever has the lower L_i + d_i^2 / (2 t); the start returned has the lowest objective of those
     rng = np.random.default_rng(11)
+    seen = 0
     for _ in range(20):
         d = 8
         mp, sp = rng.normal(0, 1, d), np.exp(0.5 * rng.normal(0, 1, d))
@@ -158,25 +158,48 @@ def test_the_mixed_start_is_the_lowest_of_the_t_ordered_combinations():
         for t in np.exp(np.linspace(-12, 12, 4001)):
             b = lb + qb / (2 * t) < la + qa / (2 * t)
             brute = min(brute, _objective(np.r_[np.where(b, mb, ma), np.log(np.where(b, sb, sa))], e1, e2, mp, sp))
-        (name, start), = fisher_rao_starts(prior, site, kl, 1e-8)
-        found = _value(start, e1, e2, mp, sp)
-        assert found <= brute + 1e-9 * (1 + abs(brute)), (found, brute)
         a_only = _objective(np.r_[ma, np.log(sa)], e1, e2, mp, sp)
-        assert name == ("mixed" if found < a_only else "site")
+        starts = fisher_rao_starts(prior, site, kl, 1e-8)
+        if not starts:  # only when no combination is below A
+            assert brute >= a_only - 1e-9 * (1 + abs(a_only)), (brute, a_only)
+            continue
+        seen += 1
+        (name, start), = starts
+        found = _value(start, e1, e2, mp, sp)
+        assert name == "mixed" and found < a_only
+        assert found <= brute + 1e-9 * (1 + abs(brute)), (found, brute)
         chosen = np.isclose(start.mean()["w"].numpy(), mb, rtol=1e-12, atol=0) & np.isclose(
             start.variance()["w"].numpy(), sb ** 2, rtol=1e-12, atol=0)
         kept = np.isclose(start.mean()["w"].numpy(), ma, rtol=1e-12, atol=0)
         assert np.all(chosen | kept)  # every coordinate is A or B, nothing in between
+    assert seen >= 5
 
 
 def test_coordinates_without_a_usable_site_keep_the_first_start():
     # no precision (e2 = 0, e1 = 0), or a site scale at or below min_scale: the coordinate stays at A
-    prior, site = _factors([0.0, 0.0, 0.5], [1.0, 1.0, 2.0], [0.0, 4e20, 0.3], [0.0, -2e20, -0.001])
+    prior, site = _factors([0.0, 0.0, 0.5], [1.0, 1.0, 2.0], [0.0, 4e20, 0.544], [0.0, -2e20, -0.00124])
     start = prior * site
     (name, q), = fisher_rao_starts(prior, site, start, 1e-8)
     mean, var = q.mean()["w"], q.variance()["w"]
     assert float(mean[0]) == float(start.mean()["w"][0]) and float(var[0]) == float(start.variance()["w"][0])
     assert float(mean[1]) == float(start.mean()["w"][1]) and float(var[1]) == float(start.variance()["w"][1])
-    assert float(mean[2]) == pytest.approx(150.0) and float(var[2]) == pytest.approx(500.0)
+    assert float(mean[2]) == pytest.approx(0.544 / 0.00248) and float(var[2]) == pytest.approx(0.5 / 0.00124)
     no_site = _factors([0.0], [1.0], [0.0], [0.0])
     assert fisher_rao_starts(*no_site, no_site[0], 1e-8) == []
+
+
+def test_a_failing_extra_descent_never_turns_the_step_into_an_error():
+    # a review's case on the prior path: a coordinate with site precision 2e-200 and linear term 6.3e-99 makes the
+    # mixed start's descent fail at scales ~1e100 after seeing objective -664.7; the step returned the prior before
+    # the extra start existed and still does (the failure is recorded), as method="optimise" does; it raised before
+    prior = MeanFieldGaussian.from_mean_variance({"w": torch.tensor([0.0, 1.0], dtype=F64)},
+                                                 {"w": torch.tensor([1.0, 1.0], dtype=F64)})
+    site = MeanFieldGaussian({"w": torch.tensor([math.sqrt(4e3) * 1e-100, 0.3], dtype=F64)},
+                             {"w": torch.tensor([-1e-200, -0.1], dtype=F64)})
+    step = make_server_step("fisher_rao")
+    q = step(prior, site)
+    assert q.max_abs_diff(prior) == 0.0
+    assert q.max_abs_diff(make_server_step("fisher_rao", method="optimise")(prior, site)) == 0.0
+    info = step.last_info
+    assert info["path"] == "prior" and info["starts"] == "kl, mixed"
+    assert "from 'mixed': did not converge, saw objective -664.7" in info["explored"], info["explored"]
