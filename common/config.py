@@ -515,7 +515,8 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":  # the key as given: its hyphenated form may be a known key
             given = ".".join(str(p) for p in e["loc"])
             if given != key and key in _KEYS:
-                lines.append(f"{given}: given twice, as {given} and as {key}")
+                lines.append(f"{given}: given twice, as {given} and as {key} (pyproject.toml's [tool.flwr.app.config] "
+                             f"sets {key}, so an override must use that spelling: {key}=...)")
             else:
                 lines.append(f"{given}: unknown run-config key")
         elif not key:  # model-level checks already name their keys

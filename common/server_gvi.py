@@ -48,8 +48,9 @@
   the descent from the KL solution alone not at the global minimiser in 4 of 60 one-coordinate and 4 of 40
   two-coordinate random problems (e.g. prior N(1.17, 2.05), site (0.544, -0.00124): the step returned the prior,
   objective -0.63, where N(214.1, 543.6) reaches -49.70); with the second start it matched an independent oracle in
-  838 of 840 random problems of 1 to 20 coordinates, against 703 before (the module's docstring has the counts).  That is
-  measured, not certified: unlike Alpha-Renyi's mean-field solver, no proof that the result is the global minimiser.
+  838 of 840 random problems of 1 to 20 coordinates, against 703 before (the module's docstring has the counts).
+  That is measured, not certified: unlike Alpha-Renyi's mean-field solver, nothing proves the result is the global
+  minimiser.
 
 Tolerance of the numerical path, scale-aware.  Convergence is judged in the whitened coordinates of the current
 point (the mean in its standard deviations, the scale in logs), where each parameter's error is measured in its own

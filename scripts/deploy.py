@@ -59,6 +59,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -1804,7 +1805,9 @@ def _up(args: argparse.Namespace) -> int:
                 else "TLS + SuperNode auth")  # fmt: skip
         print(f"{dep.num_nodes} SuperNodes online [{mode}]; FLWR_HOME={dep.cli_home} connection={dep.connection}",
               flush=True)  # fmt: skip
-        print(f"  FLWR_HOME={dep.cli_home} flwr supernode ls {dep.connection}", flush=True)
+        # the flwr CLI by its path: the venv that runs this script need not be on PATH (a bare `flwr` was "command
+        # not found" for a user who ran .venv/bin/python scripts/deploy.py without activating the venv)
+        print(f"  FLWR_HOME={dep.cli_home} {shlex.quote(dep._bin('flwr'))} supernode ls {dep.connection}", flush=True)
         rc = 0
         if args.run:
             res = dep.run_app(run_config_args=args.run_config, timeout=args.run_timeout)

@@ -1,10 +1,11 @@
 """Run the PGVI ServerApp logic against the real ClientApp in one process (no Ray, no network).
 
 Usage:
-    python scripts/run_inprocess.py [-c key=value ...] [--out runs/inprocess]
+    python scripts/run_inprocess.py [-c key=value ...] [--out runs/inprocess] [--method pgvi|fedavg]
 
 Same strategy, same client code and same records as a Flower run; the fastest way to try a configuration.
-``--method fedavg`` runs the FedAvg baseline (Flower's ``FedAvg`` + ``client/fedavg_app.py``) instead.
+``--method fedavg`` runs the FedAvg baseline (Flower's ``FedAvg`` + ``client/fedavg_app.py``) instead; its records
+default to runs/inprocess-fedavg, so it does not replace a PGVI run's.
 The records go to --out (a ``-c output-dir=...`` is refused, as by scripts/simulate.py), and the run config they
 record names that directory as its ``output-dir``.
 """
@@ -51,13 +52,22 @@ def run_fedavg_baseline(raw: dict, out: Path):
     return run_fedavg(grid, cfg, load_full_data(cfg), out)
 
 
+def default_out(method: str) -> Path:
+    """The records' directory without ``--out``: one per method (the baseline's run used to replace PGVI's)."""
+    return ROOT / "runs" / ("inprocess-fedavg" if method == "fedavg" else "inprocess")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-c", "--config", action="append", default=[],
                     help="run-config override key=value (TOML value); not output-dir (use --out)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "inprocess", help="the directory of the records")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the directory of the records (default runs/inprocess, with --method fedavg "
+                         "runs/inprocess-fedavg: a reused directory loses its previous run's records)")
     ap.add_argument("--method", choices=("pgvi", "fedavg"), default="pgvi")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = default_out(args.method)
     try:
         from scripts.simulate import refuse_output_dir
 

@@ -727,6 +727,15 @@ def pyproject_run_config(overrides: list[str] | tuple[str, ...] = ()) -> dict:
     return run_config
 
 
+def report_lines(res: dict, log_path: Path) -> list[str]:
+    """What the script prints of a finished run: the log's PGVI lines and ERROR lines (the log level: a traceback's
+    "...Error: ..." line is not one), then the status, the time and the records' directory ("none written" if the
+    run wrote none, e.g. a run config refused before round 1)."""
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if "PGVI" in line or "ERROR" in line]
+    records = res["out_dir"] if res["out_dir"] and Path(res["out_dir"]).is_dir() else "none written"
+    return [*lines, f"status: {res['status']} {res['status-details']}; {res['seconds']:.1f}s; records: {records}"]
+
+
 def refuse_output_dir(overrides: list[str] | tuple[str, ...], records: str) -> None:
     """``ValueError`` if a ``-c`` override sets ``output-dir``: a script that chooses where the records go (with
     --out; ``records`` says where) would otherwise write them elsewhere than the run config it records says."""
@@ -795,10 +804,7 @@ def main() -> None:
     if not res["run_id"]:
         print(f"simulate.py: no run was started: {res['status-details']} (log {log_path})", file=sys.stderr)
         sys.exit(1)
-    for line in log_path.read_text(errors="replace").splitlines():
-        if "PGVI" in line or "rror" in line:
-            print(line, flush=True)
-    print(f"status: {res['status']} {res['status-details']}; {res['seconds']:.1f}s; records: {res['out_dir']}")
+    print("\n".join(report_lines(res, log_path)), flush=True)
     sys.exit(0 if res["status"] == "finished:completed" else 1)
 
 

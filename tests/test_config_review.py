@@ -396,7 +396,9 @@ def test_a_key_given_in_both_spellings_and_an_unknown_underscore_key_are_named_a
     keeps the key and forbids the name; the error said "label-noise: unknown run-config key", a known key."""
     with pytest.raises(ConfigError) as exc:
         parse_run_config({"label-noise": 0.1, "label_noise": 0.2})
-    assert str(exc.value) == ("invalid run config: label_noise: given twice, as label_noise and as label-noise")
+    assert str(exc.value) == ("invalid run config: label_noise: given twice, as label_noise and as label-noise "
+                              "(pyproject.toml's [tool.flwr.app.config] sets label-noise, so an override must use "
+                              "that spelling: label-noise=...)")
     with pytest.raises(ConfigError) as exc:
         parse_run_config({"no_such_key": 1})
     assert str(exc.value) == "invalid run config: no_such_key: unknown run-config key"

@@ -360,3 +360,13 @@ def test_run_inprocess_records_out_as_its_output_dir(tmp_path):
     res = _run_inprocess("--out", str(out), "-c", _CHEAP)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((out / "run_config.json").read_text())["output-dir"] == str(out)
+
+
+def test_run_inprocess_defaults_each_method_to_its_own_directory():
+    # a walkthrough ran the README's two in-process rows one after the other: the FedAvg baseline's records replaced
+    # PGVI's (both went to runs/inprocess) and left PGVI's checkpoint beside FedAvg's model
+    sys.path.insert(0, str(REPO))
+    from scripts.run_inprocess import default_out
+
+    assert default_out("pgvi") == REPO / "runs" / "inprocess"
+    assert default_out("fedavg") == REPO / "runs" / "inprocess-fedavg"

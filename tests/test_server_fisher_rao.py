@@ -95,7 +95,8 @@ def test_a_weak_far_site_moves_the_posterior_to_its_mode_at_a_wide_scale(family)
     # -0.632), but N(214.1, 543.6), near the site's mode 219.4 and wide, is the global minimiser (objective -49.70)
     mp, vp, e1, e2 = 1.17, 2.05, 0.544, -0.00124
     if family == "full":
-        prior = FullCovarianceGaussian.from_mean_covariance(torch.tensor([mp], dtype=F64), torch.tensor([[vp]], dtype=F64))
+        prior = FullCovarianceGaussian.from_mean_covariance(torch.tensor([mp], dtype=F64),
+                                                            torch.tensor([[vp]], dtype=F64))
         site = FullCovarianceGaussian(torch.tensor([e1], dtype=F64), torch.tensor([[e2]], dtype=F64))
     else:
         prior, site = _factors([mp], [vp], [e1], [e2])

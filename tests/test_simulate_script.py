@@ -507,3 +507,20 @@ def test_without_bin_sh_the_simulation_runs_without_a_reaper_and_says_so(monkeyp
     reaper.dismiss()
     assert reaper.proc is None
     assert "no reaper (FileNotFoundError" in capsys.readouterr().err
+
+
+def test_the_report_of_a_refused_run_is_its_error_line_and_no_records(tmp_path):
+    # a walkthrough's run with loss="foo": the report showed a traceback's "raise ConfigError(...)" line besides the
+    # ERROR line, and a records directory that was never created
+    log = tmp_path / "flwr-run.log"
+    log.write_text("\x1b[91mERROR \x1b[0m:     ServerApp raised: invalid run config: loss: unknown loss 'foo'\n"
+                   "Traceback (most recent call last):\n"
+                   "    raise ConfigError(_format_validation_error(err)) from None\n"
+                   "common.config.ConfigError: invalid run config: loss: unknown loss 'foo'\n")
+    res = {"status": "finished:failed", "status-details": "x", "seconds": 1.0,
+           "out_dir": str(tmp_path / "outputs" / "run-1")}
+    lines = simulate.report_lines(res, log)
+    assert len(lines) == 2 and "ERROR" in lines[0] and "unknown loss 'foo'" in lines[0]
+    assert lines[1] == "status: finished:failed x; 1.0s; records: none written"
+    (tmp_path / "outputs" / "run-1").mkdir(parents=True)
+    assert simulate.report_lines(res, log)[-1].endswith(f"records: {tmp_path / 'outputs' / 'run-1'}")

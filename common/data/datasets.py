@@ -526,7 +526,9 @@ def _mnist_family(name: str, tv_class: str, data_dir, download: bool, extra_dirs
         local.append(root)
     searched = [*local, *extra_dirs]
     expected = [f"{stem}[.gz]" for stem in _MNIST_FILES.values()]
-    how = [*extra_how, f"load_dataset({name!r}, download=True) (needs torchvision and network) into {root}",
+    how = [*extra_how,
+           f"the run config's download=true (in Python: load_dataset({name!r}, download=True); needs torchvision "
+           f"and network) into {root}",
            f"copy the IDX files into {root / name} or {root / tv_class / 'raw'}"]
     for directory in searched:
         files = _find_idx_files(directory)
@@ -606,7 +608,8 @@ def _load_cifar10(
     for directory in searched:
         if _find_cifar(directory):
             return _cifar_dataset(directory)
-    how = [f"load_dataset('cifar10', download=True) (needs torchvision and network) into {root}",
+    how = [f"the run config's download=true (in Python: load_dataset('cifar10', download=True); needs torchvision "
+           f"and network) into {root}",
            f"unpack cifar-10-python.tar.gz into {root}"]
     if download:
         try:
