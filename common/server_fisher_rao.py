@@ -16,11 +16,12 @@ Since ``sqrt(S) = min_{t > 0} S / (2 t) + t / 2``,
 
 separable for each ``t``.  :func:`fisher_rao_starts` uses that to choose, coordinate by coordinate, between two
 candidate points, ``A`` (the step's usual start: the KL solution, or the prior) and ``B`` (where the site has a
-precision: of the points 1/8, 2/8, ..., 1 of the way from ``A`` to the site's own mode and variance, in the mean and the
-log variance, the one with the lowest objective of that coordinate alone, ``L_i - L_i(A) + d_i``; a weak site's
-basin has its bottom short of the mode, where the distance pulls it towards the prior): for a given ``t`` coordinate ``i`` prefers ``B`` iff ``(L_B - L_A) +
-(d_B^2 - d_A^2) / (2 t) < 0``, which changes at most once as ``t`` grows, so the combinations worth trying are the
-``n + 1`` prefixes of the coordinates sorted by their switch point.  Their objectives, as changes from ``A``'s, are
+precision: of the points 1/8, 2/8, ..., 1 of the way from ``A`` to the site's own mode and variance, in the mean and
+the log variance, the one with the lowest objective of that coordinate alone, ``L_i - L_i(A) + d_i``; a weak site's
+basin has its bottom short of the mode, where the distance pulls it towards the prior): for a given ``t``
+coordinate ``i`` prefers ``B`` iff ``(L_B - L_A) + (d_B^2 - d_A^2) / (2 t) < 0``, which changes at most once as
+``t`` grows, so the combinations worth trying are the ``n + 1`` prefixes of the coordinates sorted by their switch
+point.  Their objectives, as changes from ``A``'s, are
 running sums; the lowest is the ``"mixed"`` start, used only if it is below ``A``'s objective.
 :meth:`common.server_gvi.ServerGVIStep.optimise` descends from ``A`` and from this start and keeps the lower
 converged result, so it is never higher than the descent from ``A`` alone (``method="optimise"``); a failure of the
