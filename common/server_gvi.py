@@ -42,13 +42,13 @@
   ball around the prior on which nothing is lower than the prior (:func:`fisher_rao_prior_basin`).
   The objective has several basins (a weak site with a far mode puts one near that mode, at a wide scale), so
   with ``method="auto"`` the step also descends from a second start, a per-coordinate choice between the KL solution
-  and a point on the way to the site's own mode and variance made through the separable form ``sqrt(S) = min_t S / (2 t) + t / 2`` of the
-  distance (:mod:`common.server_fisher_rao`; only where that choice is below the KL solution's objective), and keeps
-  the lowest converged result.  A review on 2026-11-29 found
-  the descent from the KL solution alone not at the global minimiser in 4 of 60 one-coordinate and 4 of 40
-  two-coordinate random problems (e.g. prior N(1.17, 2.05), site (0.544, -0.00124): the step returned the prior,
-  objective -0.63, where N(214.1, 543.6) reaches -49.70); with the second start it matched an independent oracle in
-  all 840 random problems of 1 to 20 coordinates, against 703 before (the module's docstring has the counts).
+  and a point on the way to the site's own mode and variance made through the separable form ``sqrt(S) = min_t S /
+  (2 t) + t / 2`` of the distance (:mod:`common.server_fisher_rao`; only where that choice is below the KL
+  solution's objective), and keeps the lowest converged result.  A review on 2026-11-29 found the descent from the
+  KL solution alone not at the global minimiser in 4 of 60 one-coordinate and 4 of 40 two-coordinate random
+  problems (e.g. prior N(1.17, 2.05), site (0.544, -0.00124): the step returned the prior, objective -0.63, where
+  N(214.1, 543.6) reaches -49.70); with the second start it matched an independent oracle in all 840 random problems
+  of 1 to 20 coordinates, against 703 before (the module's docstring has the counts).
   That is measured, not certified: unlike Alpha-Renyi's mean-field solver, nothing proves the result is the global
   minimiser.
 
@@ -680,6 +680,7 @@ class ServerGVIStep:
             failed: list[tuple[str, ServerOptimisationError, float]] = []
             explored: dict[str, str] = {}
             spent: dict[str, int] = {}
+            started = ", ".join(name for name, _ in starts)
             for name, point in starts:
                 seen = {"best": math.inf}
                 spent[name] = self.n_evals
@@ -702,11 +703,11 @@ class ServerGVIStep:
                         explored[name] = f"converged to objective {run['objective']:.6g}, not below the prior's"
                 finally:
                     spent[name] = self.n_evals - spent[name]
+            explored_text = "; ".join(f"from {name!r}: {text}" for name, text in explored.items())
             if better:
                 value, winner, out, run = min(better, key=lambda r: r[0])
                 self.last_info = {**run, "fisher_rao_dual_norm": dual, "prior_objective": prior_value,
-                                  "starts": ", ".join(name for name, _ in starts), "winner": winner,
-                                  "explored": "; ".join(f"from {n!r}: {text}" for n, text in explored.items())}
+                                  "starts": started, "winner": winner, "explored": explored_text}
                 return out.to(prior.dtype).check_finite("server posterior").check_proper("server posterior")
             if failed:
                 name, err, best = failed[0]
@@ -715,8 +716,7 @@ class ServerGVIStep:
                     f"(dual norm {dual:.3g} <= 1) but is not its minimiser (objective {best:.6g} < "
                     f"{prior_value:.6g} was seen from the {name!r} start)"
                 ) from err
-            info["starts"] = ", ".join(name for name, _ in starts)
-            info["explored"] = "; ".join(f"from {name!r}: {text}" for name, text in explored.items())
+            info["starts"], info["explored"] = started, explored_text
             info["evaluations"] = self.n_evals - evaluations
             info["evaluations_by_start"] = spent
         self.last_info = info
