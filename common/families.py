@@ -282,6 +282,22 @@ class MeanFieldGaussian(GaussianFactor):
     def precision(self) -> dict[str, Tensor]:
         return {n: -2.0 * e2 for n, e2 in self.eta2.items()}
 
+    def flat(self, per_name: Mapping[str, Tensor]) -> Tensor:
+        """One tensor per name of this factor (e.g. its :meth:`mean` or :attr:`eta1`) as one flat vector, in the
+        factor's order of names (the coordinates of the mean-field server steps)."""
+        return torch.cat([per_name[n].reshape(-1) for n in self.names])
+
+    def unflat(self, vector: Tensor) -> dict[str, Tensor]:
+        """The inverse of :meth:`flat`: a flat vector split into this factor's names and shapes (views)."""
+        shapes = self.shapes
+        parts = torch.split(vector, [math.prod(shapes[n]) for n in self.names])
+        return {n: part.view(shapes[n]) for n, part in zip(self.names, parts)}
+
+    def from_flat_mean_variance(self, mean: Tensor, variance: Tensor) -> MeanFieldGaussian:
+        """The mean-field Gaussian over this factor's names and shapes with the flat ``mean`` and ``variance``
+        (the inverse of :meth:`flat` applied to :meth:`mean` and :meth:`variance`)."""
+        return MeanFieldGaussian.from_mean_variance(self.unflat(mean), self.unflat(variance))
+
     def mean(self) -> dict[str, Tensor]:
         """Means ``eta1 / (-2 eta2)``; :class:`ImproperDistributionError` if the factor is improper."""
         self.check_proper("distribution in mean()")

@@ -200,12 +200,10 @@ def mean_field_unbounded(alpha: float, gamma: Tensor, b: Tensor) -> Tensor:
 def whitened_sites(prior: MeanFieldGaussian, site: MeanFieldGaussian) -> dict[str, Tensor]:
     """The prior's mean ``m0``, variance ``v0`` and scale ``s0`` and the site's whitened linear term ``b`` and
     relative precision ``gamma``, flat over the factor's names (float64)."""
-    names = list(prior.names)
-    mean, var = prior.mean(), prior.variance()
-    m0 = torch.cat([mean[n].reshape(-1) for n in names]).to(torch.float64)
-    v0 = torch.cat([var[n].reshape(-1) for n in names]).to(torch.float64)
-    e1 = torch.cat([site.params[f"eta1/{n}"].reshape(-1) for n in names]).to(torch.float64)
-    e2 = torch.cat([site.params[f"eta2/{n}"].reshape(-1) for n in names]).to(torch.float64)
+    m0 = prior.flat(prior.mean()).to(torch.float64)
+    v0 = prior.flat(prior.variance()).to(torch.float64)
+    e1 = prior.flat(site.eta1).to(torch.float64)
+    e2 = prior.flat(site.eta2).to(torch.float64)
     s0 = v0.sqrt()
     lam = -2.0 * e2
     return {"m0": m0, "v0": v0, "s0": s0, "b": s0 * (e1 - lam * m0), "gamma": lam * v0}
@@ -219,7 +217,6 @@ def mean_field_alpha_renyi_step(prior: MeanFieldGaussian, site: MeanFieldGaussia
     (see the module docstring)."""
     if alpha in (0.0, 1.0) or not math.isfinite(alpha):
         raise ValueError(f"mean_field_alpha_renyi_step: alpha must be finite and not 0 or 1, got {alpha!r}")
-    names = list(prior.names)
     w = whitened_sites(prior, site)
     m0, v0, s0, b, gamma = w["m0"], w["v0"], w["s0"], w["b"], w["gamma"]
     b2 = b * b
@@ -262,11 +259,7 @@ def mean_field_alpha_renyi_step(prior: MeanFieldGaussian, site: MeanFieldGaussia
     bad = ~(torch.isfinite(mq) & torch.isfinite(vq) & (vq > 0.0))  # a variance that underflowed (huge b, alpha > 1)
     if bool(bad.any()):
         return None, {"path": "exact", "unsolved": int(bad.sum())}
-    sizes = [math.prod(prior.shapes[n]) for n in names]
-    ms, vs = torch.split(mq, sizes), torch.split(vq, sizes)
-    q = MeanFieldGaussian.from_mean_variance({n: x.view(prior.shapes[n]) for n, x in zip(names, ms)},
-                                             {n: x.view(prior.shapes[n]) for n, x in zip(names, vs)})
-    return q, {"path": "exact", "coordinates_with_two_minima": multiple, "whitened_objective": float(best_value.sum())}
+    return prior.from_flat_mean_variance(mq, vq), {"path": "exact", "coordinates_with_two_minima": multiple, "whitened_objective": float(best_value.sum())}
 
 
 def whitened_full_site(prior: FullCovarianceGaussian, site: FullCovarianceGaussian) -> dict[str, Tensor]:

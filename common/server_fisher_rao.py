@@ -63,30 +63,25 @@ from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGau
 
 
 def _flat(f: GaussianFactor) -> tuple[Tensor, Tensor]:
-    """The mean and variance of a mean-field (or one-coordinate) Gaussian as flat float64 vectors."""
+    """The mean and variance of a mean-field (or one-coordinate) Gaussian as flat vectors."""
     if isinstance(f, MeanFieldGaussian):
-        mean, var = f.mean(), f.variance()
-        return torch.cat([mean[n].reshape(-1) for n in f.names]), torch.cat([var[n].reshape(-1) for n in f.names])
+        return f.flat(f.mean()), f.flat(f.variance())
     assert isinstance(f, FullCovarianceGaussian) and f.dim == 1
     return f.mean().reshape(1), f.covariance().reshape(1)
 
 
 def _site_flat(site: GaussianFactor) -> tuple[Tensor, Tensor]:
+    """The natural parameters of a mean-field (or one-coordinate) site as flat vectors."""
     if isinstance(site, MeanFieldGaussian):
-        return (torch.cat([site.params[f"eta1/{n}"].reshape(-1) for n in site.names]),
-                torch.cat([site.params[f"eta2/{n}"].reshape(-1) for n in site.names]))
+        return site.flat(site.eta1), site.flat(site.eta2)
     assert isinstance(site, FullCovarianceGaussian) and site.dim == 1
     return site.eta1.reshape(1), site.eta2.reshape(1)
 
 
 def _unflat(template: GaussianFactor, m: Tensor, v: Tensor) -> GaussianFactor:
+    """The factor of ``template``'s kind and shapes with the flat mean ``m`` and variance ``v``."""
     if isinstance(template, MeanFieldGaussian):
-        mean, var, at = {}, {}, 0
-        for n, t in template.mean().items():
-            k = t.numel()
-            mean[n], var[n] = m[at:at + k].reshape(t.shape), v[at:at + k].reshape(t.shape)
-            at += k
-        return MeanFieldGaussian.from_mean_variance(mean, var)
+        return template.from_flat_mean_variance(m, v)
     assert isinstance(template, FullCovarianceGaussian)
     return FullCovarianceGaussian.from_mean_covariance(m.reshape(1), v.reshape(1, 1), name=template.name)
 

@@ -193,16 +193,13 @@ class _MeanFieldChart(_Chart):
     objective that is a sum over coordinates, whose Hessian is block-diagonal)."""
 
     def __init__(self, centre: MeanFieldGaussian, site: MeanFieldGaussian, min_scale: float) -> None:
-        self.names = list(centre.names)
-        self.shapes = centre.shapes
-        mean, var = centre.mean(), centre.variance()
-        self.m0 = torch.cat([mean[n].detach().reshape(-1) for n in self.names])
-        self.var0 = torch.cat([var[n].detach().reshape(-1) for n in self.names])
+        self.centre = centre
+        self.m0 = centre.flat(centre.mean()).detach()
+        self.var0 = centre.flat(centre.variance()).detach()
         self.s0 = self.var0.sqrt()
-        self.e1 = torch.cat([site.params[f"eta1/{n}"].reshape(-1) for n in self.names])
-        self.e2 = torch.cat([site.params[f"eta2/{n}"].reshape(-1) for n in self.names])
+        self.e1 = centre.flat(site.eta1)
+        self.e2 = centre.flat(site.eta2)
         self.n = int(self.m0.numel())
-        self.sizes = [math.prod(self.shapes[n]) for n in self.names]
         self.dim = 2 * self.n
         self.min_scale = min_scale
         self.c11 = self.c22 = torch.ones_like(self.m0)
@@ -243,10 +240,7 @@ class _MeanFieldChart(_Chart):
 
     def factor(self, z: Tensor) -> MeanFieldGaussian:
         m, _, var = self._moments(z)
-        ms, vs = torch.split(m, self.sizes), torch.split(var, self.sizes)
-        return MeanFieldGaussian.from_mean_variance(
-            {n: x.view(self.shapes[n]) for n, x in zip(self.names, ms)},
-            {n: x.view(self.shapes[n]) for n, x in zip(self.names, vs)})
+        return self.centre.from_flat_mean_variance(m, var)
 
     def site_loss(self, z: Tensor) -> Tensor:
         m, _, var = self._moments(z)
@@ -914,25 +908,17 @@ class ServerGVIStep:
             d = _two_loop(g, s_hist, y_hist)
             gd = float(g @ d)
             if not (math.isfinite(gd) and gd < 0):
-                s_hist.clear()
-                y_hist.clear()
-                d, gd = -g, -float(g @ g)
-            t0 = 1.0
-            if not s_hist:
-                t0 = min(1.0, self.FIRST_STEP / float(d.abs().max()))
+                d, gd = _steepest_descent(g, s_hist, y_hist)
             try:
-                t, new, why = self._line_search(chart, prior64, z, here, d, gd, t0, seen)
+                t, new, why = self._line_search(chart, prior64, z, here, d, gd, self._first_step(d, s_hist), seen)
             except _Unbounded:
                 if not s_hist:
                     raise  # steepest descent itself falls towards the edge of the family
                 # a quasi-Newton direction from a stale curvature model can run into the edge of the family (a
                 # scale pinned at min_scale) while the objective falls along it for other coordinates' sake; the
                 # steepest-descent direction decides
-                s_hist.clear()
-                y_hist.clear()
-                d, gd = -g, -float(g @ g)
-                t0 = min(1.0, self.FIRST_STEP / float(d.abs().max()))
-                t, new, why = self._line_search(chart, prior64, z, here, d, gd, t0, seen)
+                d, gd = _steepest_descent(g, s_hist, y_hist)
+                t, new, why = self._line_search(chart, prior64, z, here, d, gd, self._first_step(d, s_hist), seen)
             rejected |= why
             if new is None:
                 stop = "line search found no acceptable point"
@@ -958,6 +944,11 @@ class ServerGVIStep:
                 stop = "recentre"
                 break
         return z, here, it, stop, rejected
+
+    def _first_step(self, d: Tensor, s_hist: list[Tensor]) -> float:
+        """The line search's first trial step along ``d``: 1 for a quasi-Newton direction, else a step of at most
+        :attr:`FIRST_STEP` in any coordinate."""
+        return 1.0 if s_hist else min(1.0, self.FIRST_STEP / float(d.abs().max()))
 
     def _line_search(self, chart: _Chart, prior64: GaussianFactor, z: Tensor, here: _Trial, d: Tensor, gd0: float,
                      t0: float, seen: dict[str, float]) -> tuple[float, _Trial | None, set[str]]:
@@ -1051,6 +1042,13 @@ class ServerGVIStep:
                 raise _Unbounded(f"the objective fell to {lo[1].f:.6g} towards the edge of the representable family")
             return lo[0], lo[1], rejected
         return 0.0, None, rejected
+
+
+def _steepest_descent(g: Tensor, s_hist: list[Tensor], y_hist: list[Tensor]) -> tuple[Tensor, float]:
+    """Restart L-BFGS: forget its curvature pairs and return the steepest-descent direction and its slope."""
+    s_hist.clear()
+    y_hist.clear()
+    return -g, -float(g @ g)
 
 
 def _two_loop(g: Tensor, s_hist: list[Tensor], y_hist: list[Tensor]) -> Tensor:

@@ -76,6 +76,27 @@ def test_mean_field_round_trip():
     assert g.max_abs_diff(f) < 1e-12
 
 
+def test_mean_field_flat_coordinates():
+    """``flat`` lays the named tensors end to end in the factor's order (row-major within each), ``unflat`` and
+    ``from_flat_mean_variance`` invert it."""
+    f, mean, var = random_mf(2)
+    flat_mean = f.flat(f.mean())
+    expected = torch.tensor([float(mean[n].reshape(-1)[i]) for n in SHAPES for i in range(mean[n].numel())],
+                            dtype=DT)
+    assert flat_mean.shape == (10,)
+    assert_close(flat_mean, expected, rtol=1e-12, atol=1e-14)
+    assert_close(f.flat(f.eta2), torch.cat([-0.5 / var["w"].reshape(-1), -0.5 / var["b"]]), rtol=1e-13, atol=0)
+    back = f.unflat(flat_mean)
+    assert list(back) == list(SHAPES) and {n: tuple(t.shape) for n, t in back.items()} == SHAPES
+    g = f.from_flat_mean_variance(flat_mean, f.flat(f.variance()))
+    assert g.names == f.names and g.max_abs_diff(f) < 1e-12
+    # a factor whose names come in another order lays its coordinates out in its own order
+    h = MeanFieldGaussian.from_mean_variance({"b": mean["b"], "w": mean["w"]}, {"b": var["b"], "w": var["w"]})
+    assert_close(h.flat(h.mean())[:4], mean["b"], rtol=1e-12, atol=1e-14)
+    with pytest.raises(RuntimeError):
+        f.unflat(flat_mean[:9])  # one coordinate short
+
+
 @pytest.mark.parametrize("d", [1, 3])
 def test_full_covariance_round_trip(d):
     f, m, s = random_full(d, seed=d)
