@@ -355,6 +355,8 @@ def server_message(log_text: str, max_lines: int = 12) -> str:
     return "\n".join((hits or [ln for ln in lines if ln.strip()])[-max_lines:])
 
 
+#: the log of `flwr run` in the script's directory (rewritten by each run); a copy goes into the run's records
+RUN_LOG = "flwr-run.log"
 SUPERLINK_START_TIMEOUT = 180.0  # s for the SuperLink this script starts after Flower's own did not answer
 #: Environment variable whose value marks the processes of one simulation's lean Ray head (``lean_ray=True``).
 LEAN_RAY_MARKER = "PGVI_LEAN_RAY_HEAD"
@@ -602,7 +604,7 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
     out_root = workdir / "outputs"
     cfg = {**run_config, "output-dir": str(out_root)}
     cfg_file = write_run_config(workdir / "run_config.toml", cfg)
-    log_path = Path(stream_to or workdir / "flwr-run.log")
+    log_path = Path(stream_to or workdir / RUN_LOG)
     cmd = [_flwr_bin("flwr"), "run", str(ROOT), "pgvi-sim", "--stream", "--run-config", str(cfg_file),
            "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus_per_client:g}"]
     t0 = time.time()
@@ -677,8 +679,11 @@ def _run_simulation_locked(run_config: dict, num_supernodes: int, workdir: Path,
         return {"status": "not-started", "status-details": details, "run_id": "",
                 "out_dir": None, "log": log_path, "seconds": seconds}
     run = pick_run(runs, log_text)  # {} if `flwr ls` did not list it: status unknown
+    out_dir = out_root / f"run-{run_id}"
+    if out_dir.is_dir():  # the run's own copy of the log, beside its records (the next run rewrites log_path)
+        shutil.copyfile(log_path, out_dir / RUN_LOG)
     return {"status": run.get("status", "unknown"), "status-details": run.get("status-details", ""), "run_id": run_id,
-            "out_dir": out_root / f"run-{run_id}", "log": log_path, "seconds": seconds}
+            "out_dir": out_dir, "log": log_path, "seconds": seconds}
 
 
 _PAIR = re.compile(r"""([^\s=]+)=('[^']*'|"[^"]*"|\S+)""")
@@ -784,7 +789,7 @@ def main() -> None:
         _warn(f"--supernodes {args.supernodes} differs from num-clients={clients!r}: every client will refuse "
               f"its node config (num-partitions={args.supernodes}); leave --supernodes out to follow num-clients")
     args.out.mkdir(parents=True, exist_ok=True)
-    log_path = args.out / "flwr-run.log"
+    log_path = args.out / RUN_LOG
     print(f"simulation: {args.supernodes} SuperNodes; log {log_path}", flush=True)
     # SIGTERM and SIGHUP (terminal closed, ssh dropped) act like Ctrl-C: run_simulation's cleanup runs (Flower
     # leaves its SuperLink running detached); the handlers are restored afterwards (the tests call main() inside

@@ -353,6 +353,29 @@ def test_supernodes_disagreeing_with_num_clients_are_warned_about(fake_flwr, tmp
     assert "--supernodes 3 differs from num-clients=4" in capsys.readouterr().err
 
 
+def test_each_run_keeps_its_own_log_beside_its_records(fake_flwr, tmp_path, monkeypatch, capsys):
+    """Two simulations into one --out: OUT/flwr-run.log is the last run's, and each run's records directory holds
+    a copy of that run's own log (the first run's log was lost before); a run that wrote no records gets none."""
+    import tomllib
+
+    def flower_run(cmd, env):  # like the ServerApp: the records go to <output-dir>/run-<id>
+        n = len(fake_flwr["runs"])
+        config = tomllib.loads(Path(cmd[cmd.index("--run-config") + 1]).read_text())
+        if n < 3:
+            (Path(config["output-dir"]) / f"run-{n}").mkdir(parents=True)
+        return f"Successfully started run {n}\nStarting logstream for run_id `{n}`\nINFO :      PGVI run {n} done\n"
+
+    fake_flwr["on_run"] = flower_run
+    out = tmp_path / "sim"
+    for _ in range(3):
+        _main(monkeypatch, "--out", str(out), "-c", "num-server-rounds=1")
+    assert "PGVI run 3 done" in (out / "flwr-run.log").read_text()
+    for n in (1, 2):
+        assert "PGVI run %d done" % n in (out / "outputs" / f"run-{n}" / "flwr-run.log").read_text()
+    assert not (out / "outputs" / "run-3").exists()
+    assert "records: none written" in capsys.readouterr().out
+
+
 def test_run_main_sh_lets_simulate_py_choose_the_supernodes(tmp_path):
     """run_main.sh with setup.sh and the venv's python faked: simulate.py gets the user's arguments and no
     --supernodes of its own (it used to force 3, so -c 'num-clients=4 min-clients=4' failed after 120 s)."""
