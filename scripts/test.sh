@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-exec .venv/bin/python -m pytest -q "$@"
+# the 25 slowest tests are listed at the end (where CI time goes)
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
