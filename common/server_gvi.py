@@ -54,21 +54,21 @@
 
 Tolerance of the numerical path, scale-aware.  Convergence is judged in the whitened coordinates of the current
 point (the mean in its standard deviations, the scale in logs), where each parameter's error is measured in its own
-units: where the Hessian ``H`` is at hand (mean-field with a separable divergence: its 2x2 blocks; full covariance
-up to :attr:`ServerGVIStep.DENSE_HESSIAN_DIM` coordinates: dense) by the largest entry of the Newton step ``H^{-1} g``
-and of ``H^{-1/2} g`` (whose squared norm is the Newton decrement; a Newton step alone is tiny also at a point pressed
-against a log barrier), i.e. relative to the objective's curvature, else by the largest entry of the gradient ``g``
-(``dF/du = L^T
-dF/dm``: the mean's gradient times its standard deviation; ``dF/dv``: the log scale's), an estimate of the same for
-an objective whose curvature in these coordinates is O(1) (a site-dominated posterior).  Neither depends on the
-scale of a parameter or on the spread of the site's precisions.  L-BFGS runs until that measure is below
-``tolerance_grad`` (default ``1e-9``) or a step moves by at most ``tolerance_change`` (default ``1e-13``, in the
-optimiser's coordinates) or the line search finds no acceptable point (the rounding floor), for at most
-``max_rounds`` rounds of ``max_iter`` iterations, each round re-whitened (and re-preconditioned) at the point
-reached.  If the measure at the returned point is then above ``fail_grad`` (default ``1e-5``) a
-:class:`ServerOptimisationError` is raised (a :class:`~common.errors.PGVIError`:
+units: where the Hessian ``H`` is at hand (mean-field with a separable divergence: its 2x2 blocks; mean-field with
+the Fisher-Rao distance: the blocks of its separable majoriser, :func:`_fisher_rao_majoriser`, which leave out one
+rank-one term; full covariance up to :attr:`ServerGVIStep.DENSE_HESSIAN_DIM` coordinates: dense) by the largest
+entry of the Newton step ``H^{-1} g`` and of ``H^{-1/2} g`` (whose squared norm is the Newton decrement; a Newton
+step alone is tiny also at a point pressed against a log barrier), i.e.  relative to the objective's curvature, else
+by the largest entry of the gradient ``g`` (``dF/du = L^T dF/dm``: the mean's gradient times its standard deviation;
+``dF/dv``: the log scale's), an estimate of the same for an objective whose curvature in these coordinates is O(1)
+(a site-dominated posterior). Neither depends on the scale of a parameter or on the spread of the site's precisions.
+L-BFGS runs until that measure is below ``tolerance_grad`` (default ``1e-9``) or a step moves by at most
+``tolerance_change`` (default ``1e-13``, in the optimiser's coordinates) or the line search finds no acceptable
+point (the rounding floor), for at most ``max_rounds`` rounds of ``max_iter`` iterations, each round re-whitened
+(and re-preconditioned) at the point reached.  If the measure at the returned point is then above ``fail_grad``
+(default ``1e-5``) a :class:`ServerOptimisationError` is raised (a :class:`~common.errors.PGVIError`:
 :class:`~common.factors.PGVIServerState` rejects the update batch and keeps its state); so is an objective that
-falls to ``-inf`` or towards the edge of the representable family (unbounded below).  The tests check the result
+falls to ``-inf`` or towards the edge of the representable family (unbounded below). The tests check the result
 against independent solutions to ``1e-7`` (standard deviations for the mean, relative for the variance).
 ``ServerGVIStep.last_info`` records the rounds, re-centrings, iterations, the final whitened gradient
 (``grad_max``), convergence measure (``newton_max``) and objective.
@@ -77,13 +77,23 @@ against independent solutions to ``1e-7`` (standard deviations for the mean, rel
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from common.divergences import KL, AlphaRenyi, Divergence, FisherRao, ReverseKL, WeightedKL, make_divergence
+from common.divergences import (
+    KL,
+    AlphaRenyi,
+    Divergence,
+    FisherRao,
+    ReverseKL,
+    WeightedKL,
+    fisher_rao_univariate,
+    make_divergence,
+)
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
 from common.factors import ServerStep, kl_server_step
 from common.families import FullCovarianceGaussian, GaussianFactor, MeanFieldGaussian
@@ -756,6 +766,8 @@ class ServerGVIStep:
 
         * mean-field and a divergence that is a sum over coordinates: the 2x2 blocks of the (block-diagonal) Hessian,
           from two Hessian-vector products with the all-``u`` and all-``v`` patterns;
+        * mean-field and the Fisher-Rao distance ``sqrt(sum_i d_i^2)``: the same blocks of its separable majoriser at
+          the centre (:func:`_fisher_rao_majoriser`), whose Hessian is the objective's without a rank-one term;
         * full covariance with at most :attr:`DENSE_HESSIAN_DIM` coordinates: the dense Hessian.
 
         Returns ``"done"``, ``"failed"`` (the Hessian is not finite here, e.g. the full-covariance Alpha-Renyi form at
@@ -764,7 +776,11 @@ class ServerGVIStep:
         z = torch.zeros(chart.dim, dtype=torch.float64, requires_grad=True)
         try:
             if isinstance(chart, _MeanFieldChart):
-                if not isinstance(self.divergence, _SEPARABLE):
+                if isinstance(self.divergence, FisherRao):
+                    objective = _fisher_rao_majoriser(chart, prior64)
+                    if objective is None:
+                        return "n/a"
+                elif not isinstance(self.divergence, _SEPARABLE):
                     return "n/a"
                 n = chart.n
                 (g,) = torch.autograd.grad(objective(z), z, create_graph=True)
@@ -1042,6 +1058,30 @@ class ServerGVIStep:
                 raise _Unbounded(f"the objective fell to {lo[1].f:.6g} towards the edge of the representable family")
             return lo[0], lo[1], rejected
         return 0.0, None, rejected
+
+
+def _fisher_rao_majoriser(chart: _MeanFieldChart, prior64: GaussianFactor) -> Callable[[Tensor], Tensor] | None:
+    """The objective with the Fisher-Rao distance ``sqrt(S)``, ``S = sum_i d_i^2``, replaced by ``S / (2 r) + r / 2``
+    (``r`` the distance at the chart's centre): from ``sqrt(S) = min_t S / (2 t) + t / 2`` it lies above the objective
+    and touches it at the centre with the same gradient, and it is a sum over coordinates.  Its Hessian there is the
+    objective's without ``-(grad S)(grad S)^T / (4 S^(3/2))``: block-diagonal, a preconditioner for the descent.
+    ``None`` at the prior itself (``r = 0``: the distance's kink) or where ``r`` is not finite."""
+    assert isinstance(prior64, MeanFieldGaussian)
+    m_p, s_p = prior64.flat(prior64.mean()), prior64.flat(prior64.variance()).sqrt()
+
+    def squared_distance(z: Tensor) -> Tensor:
+        m, _, var = chart._moments(z)
+        d = fisher_rao_univariate(m, var.sqrt(), m_p, s_p)
+        return (d * d).sum()
+
+    try:
+        with torch.no_grad():
+            r = math.sqrt(float(squared_distance(torch.zeros(chart.dim, dtype=torch.float64))))
+    except NonFiniteError:
+        return None
+    if not (math.isfinite(r) and r > 0.0):
+        return None
+    return lambda z: chart.site_loss(z) + squared_distance(z) / (2.0 * r) + 0.5 * r
 
 
 def _steepest_descent(g: Tensor, s_hist: list[Tensor], y_hist: list[Tensor]) -> tuple[Tensor, float]:

@@ -20,6 +20,7 @@ from scipy.optimize import minimize
 
 from common.families import FullCovarianceGaussian, MeanFieldGaussian
 from common.server_fisher_rao import fisher_rao_starts
+from common import server_gvi
 from common.server_gvi import make_server_step
 
 F64 = torch.float64
@@ -224,3 +225,70 @@ def test_a_failing_extra_descent_never_turns_the_step_into_an_error():
     info = step.last_info
     assert info["path"] == "prior" and info["starts"] == "kl, mixed"
     assert "from 'mixed': did not converge, saw objective -664.7" in info["explored"], info["explored"]
+
+
+# ----------------------------------------------------------------------------- the preconditioner of the descent
+def _random_mean_field(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    prior = MeanFieldGaussian.from_mean_variance({"w": torch.randn(n, generator=g, dtype=F64)},
+                                                 {"w": torch.exp(torch.randn(n, generator=g, dtype=F64))})
+    precision = 10.0 ** (-2.0 + 3.0 * torch.rand(n, generator=g, dtype=F64))
+    site = MeanFieldGaussian({"w": precision * torch.randn(n, generator=g, dtype=F64)}, {"w": -0.5 * precision})
+    return prior, site
+
+
+def test_the_fisher_rao_majoriser_touches_the_objective_and_drops_only_the_rank_one_curvature():
+    """At the chart's centre the majoriser has the objective's value and gradient, elsewhere it is not below it, and
+    its Hessian is the objective's plus (grad S)(grad S)^T / (4 S^(3/2)) (dense autograd Hessians, 4 coordinates)."""
+    prior, site = _random_mean_field(4, 0)
+    centre = (prior * site).detach()
+    chart = server_gvi._chart(centre, site, 1e-8)
+    step = server_gvi.ServerGVIStep(make_server_step("fisher_rao").divergence)
+    objective = step._objective_of(chart, prior)
+    majoriser = server_gvi._fisher_rao_majoriser(chart, prior)
+    z0 = torch.zeros(chart.dim, dtype=F64)
+    assert float(majoriser(z0)) == pytest.approx(float(objective(z0)), rel=1e-14)
+    g_obj = torch.autograd.functional.jacobian(objective, z0)
+    g_maj = torch.autograd.functional.jacobian(majoriser, z0)
+    torch.testing.assert_close(g_maj, g_obj, rtol=1e-12, atol=1e-12)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        z = 0.5 * torch.randn(chart.dim, generator=gen, dtype=F64)
+        assert float(majoriser(z)) >= float(objective(z)) - 1e-12 * abs(float(objective(z)))
+
+    def squared(z):
+        m, _, var = chart._moments(z)
+        mp, sp = prior.flat(prior.mean()), prior.flat(prior.variance()).sqrt()
+        return (server_gvi.fisher_rao_univariate(m, var.sqrt(), mp, sp) ** 2).sum()
+
+    s0 = float(squared(z0))
+    grad_s = torch.autograd.functional.jacobian(squared, z0)
+    h_obj = torch.autograd.functional.hessian(objective, z0)
+    h_maj = torch.autograd.functional.hessian(majoriser, z0)
+    torch.testing.assert_close(h_maj - h_obj, torch.outer(grad_s, grad_s) / (4.0 * s0 ** 1.5), rtol=1e-9, atol=1e-12)
+    # block-diagonal: coordinate i's (u_i, v_i) pair couples with no other coordinate
+    n = chart.n
+    mask = torch.zeros_like(h_maj, dtype=torch.bool)
+    for i in range(n):
+        for a in (i, n + i):
+            mask[a, i] = mask[a, n + i] = True
+    assert float(h_maj[~mask].abs().max()) == 0.0
+    # at the prior (distance 0, the kink) there is none
+    assert server_gvi._fisher_rao_majoriser(server_gvi._chart(prior, site, 1e-8), prior) is None
+
+
+def test_the_fisher_rao_descent_is_preconditioned_and_reaches_the_unpreconditioned_minimum(monkeypatch):
+    """2,000 coordinates: the mean-field Fisher-Rao descent runs preconditioned by the majoriser's blocks and needs
+    far fewer iterations than without them (a 159,010-coordinate step took 62.5 s without, 13.2 s with, on one
+    thread), to the same minimum."""
+    prior, site = _random_mean_field(2000, 3)
+    step = make_server_step("fisher_rao", method="optimise")
+    q = step(prior, site)
+    with_info = dict(step.last_info)
+    monkeypatch.setattr(server_gvi, "_fisher_rao_majoriser", lambda chart, prior64: None)
+    plain = make_server_step("fisher_rao", method="optimise")
+    q_plain = plain(prior, site)
+    assert with_info["preconditioned"] and not plain.last_info["preconditioned"]
+    assert with_info["iterations"] * 2 < plain.last_info["iterations"], (with_info, plain.last_info)
+    assert with_info["objective"] == pytest.approx(plain.last_info["objective"], rel=1e-12)
+    assert q.max_abs_diff(q_plain) < 1e-6 * max(1.0, max(float(t.abs().max()) for t in q_plain.params.values()))
