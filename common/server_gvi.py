@@ -58,17 +58,17 @@ units: where the Hessian ``H`` is at hand (mean-field with a separable divergenc
 the Fisher-Rao distance: the blocks of its separable majoriser, :func:`_fisher_rao_majoriser`, which leave out one
 rank-one term; full covariance up to :attr:`ServerGVIStep.DENSE_HESSIAN_DIM` coordinates: dense) by the largest
 entry of the Newton step ``H^{-1} g`` and of ``H^{-1/2} g`` (whose squared norm is the Newton decrement; a Newton
-step alone is tiny also at a point pressed against a log barrier), i.e.  relative to the objective's curvature, else
+step alone is tiny also at a point pressed against a log barrier), i.e. relative to the objective's curvature, else
 by the largest entry of the gradient ``g`` (``dF/du = L^T dF/dm``: the mean's gradient times its standard deviation;
 ``dF/dv``: the log scale's), an estimate of the same for an objective whose curvature in these coordinates is O(1)
-(a site-dominated posterior). Neither depends on the scale of a parameter or on the spread of the site's precisions.
-L-BFGS runs until that measure is below ``tolerance_grad`` (default ``1e-9``) or a step moves by at most
-``tolerance_change`` (default ``1e-13``, in the optimiser's coordinates) or the line search finds no acceptable
+(a site-dominated posterior).  Neither depends on the scale of a parameter or on the spread of the site's
+precisions.  L-BFGS runs until that measure is below ``tolerance_grad`` (default ``1e-9``) or a step moves by at
+most ``tolerance_change`` (default ``1e-13``, in the optimiser's coordinates) or the line search finds no acceptable
 point (the rounding floor), for at most ``max_rounds`` rounds of ``max_iter`` iterations, each round re-whitened
 (and re-preconditioned) at the point reached.  If the measure at the returned point is then above ``fail_grad``
 (default ``1e-5``) a :class:`ServerOptimisationError` is raised (a :class:`~common.errors.PGVIError`:
 :class:`~common.factors.PGVIServerState` rejects the update batch and keeps its state); so is an objective that
-falls to ``-inf`` or towards the edge of the representable family (unbounded below). The tests check the result
+falls to ``-inf`` or towards the edge of the representable family (unbounded below).  The tests check the result
 against independent solutions to ``1e-7`` (standard deviations for the mean, relative for the variance).
 ``ServerGVIStep.last_info`` records the rounds, re-centrings, iterations, the final whitened gradient
 (``grad_max``), convergence measure (``newton_max``) and objective.
