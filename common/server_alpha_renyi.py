@@ -259,7 +259,8 @@ def mean_field_alpha_renyi_step(prior: MeanFieldGaussian, site: MeanFieldGaussia
     bad = ~(torch.isfinite(mq) & torch.isfinite(vq) & (vq > 0.0))  # a variance that underflowed (huge b, alpha > 1)
     if bool(bad.any()):
         return None, {"path": "exact", "unsolved": int(bad.sum())}
-    return prior.from_flat_mean_variance(mq, vq), {"path": "exact", "coordinates_with_two_minima": multiple, "whitened_objective": float(best_value.sum())}
+    info = {"path": "exact", "coordinates_with_two_minima": multiple, "whitened_objective": float(best_value.sum())}
+    return prior.from_flat_mean_variance(mq, vq), info
 
 
 def whitened_full_site(prior: FullCovarianceGaussian, site: FullCovarianceGaussian) -> dict[str, Tensor]:

@@ -89,6 +89,12 @@ def _unflat(template: GaussianFactor, m: Tensor, v: Tensor) -> GaussianFactor:
     return FullCovarianceGaussian.from_mean_covariance(m.reshape(1), v.reshape(1, 1), name=template.name)
 
 
+def coordinate_distances(m: Tensor, v: Tensor, m_p: Tensor, v_p: Tensor) -> Tensor:
+    """Each coordinate's Fisher-Rao distance ``d_i`` from ``N(m_i, v_i)`` to the prior's ``N(m_p_i, v_p_i)`` (flat
+    means and variances)."""
+    return fisher_rao_univariate(m, v.sqrt(), m_p, v_p.sqrt())
+
+
 #: where ``B`` is looked for on the way from ``A`` to the site's mode and variance (fractions of the way, in the mean
 #: and the log variance)
 SEGMENT = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
@@ -103,7 +109,7 @@ def _toward_the_site(m_a: Tensor, v_a: Tensor, m_s: Tensor, v_s: Tensor, e1: Ten
     log_a, log_s = torch.log(v_a), torch.log(v_s)
     for fraction in SEGMENT:
         m, v = m_a + fraction * (m_s - m_a), torch.exp(log_a + fraction * (log_s - log_a))
-        value = _loss_change(m_a, v_a, m, v, e1, e2) + fisher_rao_univariate(m, v.sqrt(), m_p, v_p.sqrt())
+        value = _loss_change(m_a, v_a, m, v, e1, e2) + coordinate_distances(m, v, m_p, v_p)
         lower = value < best
         best = torch.where(lower, value, best)
         best_m, best_v = torch.where(lower, m, best_m), torch.where(lower, v, best_v)
@@ -138,7 +144,7 @@ def fisher_rao_starts(prior64: GaussianFactor, site64: GaussianFactor, start: Ga
     m_b, v_b = torch.where(has, m_b, m_a), torch.where(has, v_b, v_a)
 
     def squared(m: Tensor, v: Tensor) -> Tensor:
-        return fisher_rao_univariate(m, v.sqrt(), m_p, v_p.sqrt()) ** 2
+        return coordinate_distances(m, v, m_p, v_p) ** 2
 
     d_loss = _loss_change(m_a, v_a, m_b, v_b, e1, e2)
     sq_a = squared(m_a, v_a)

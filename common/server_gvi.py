@@ -91,7 +91,6 @@ from common.divergences import (
     FisherRao,
     ReverseKL,
     WeightedKL,
-    fisher_rao_univariate,
     make_divergence,
 )
 from common.errors import DivergenceUndefinedError, ImproperDistributionError, NonFiniteError, PGVIError
@@ -104,7 +103,7 @@ from common.server_alpha_renyi import (
     whitened_full_site,
     whitened_sites,
 )
-from common.server_fisher_rao import fisher_rao_starts
+from common.server_fisher_rao import coordinate_distances, fisher_rao_starts
 from common.variational import (
     DEFAULT_MIN_SCALE,
     FullCovarianceVariational,
@@ -1067,11 +1066,11 @@ def _fisher_rao_majoriser(chart: _MeanFieldChart, prior64: GaussianFactor) -> Ca
     objective's without ``-(grad S)(grad S)^T / (4 S^(3/2))``: block-diagonal, a preconditioner for the descent.
     ``None`` at the prior itself (``r = 0``: the distance's kink) or where ``r`` is not finite."""
     assert isinstance(prior64, MeanFieldGaussian)
-    m_p, s_p = prior64.flat(prior64.mean()), prior64.flat(prior64.variance()).sqrt()
+    m_p, v_p = prior64.flat(prior64.mean()), prior64.flat(prior64.variance())
 
     def squared_distance(z: Tensor) -> Tensor:
         m, _, var = chart._moments(z)
-        d = fisher_rao_univariate(m, var.sqrt(), m_p, s_p)
+        d = coordinate_distances(m, var, m_p, v_p)
         return (d * d).sum()
 
     try:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
+from common.divergences import fisher_rao_univariate
 from common.families import FullCovarianceGaussian, MeanFieldGaussian
 from common.server_fisher_rao import fisher_rao_starts
 from common import server_gvi
@@ -259,7 +260,7 @@ def test_the_fisher_rao_majoriser_touches_the_objective_and_drops_only_the_rank_
     def squared(z):
         m, _, var = chart._moments(z)
         mp, sp = prior.flat(prior.mean()), prior.flat(prior.variance()).sqrt()
-        return (server_gvi.fisher_rao_univariate(m, var.sqrt(), mp, sp) ** 2).sum()
+        return (fisher_rao_univariate(m, var.sqrt(), mp, sp) ** 2).sum()
 
     s0 = float(squared(z0))
     grad_s = torch.autograd.functional.jacobian(squared, z0)
