@@ -28,6 +28,7 @@ CLI::
     python scripts/deploy.py up     ... --insecure     # no TLS, no authentication (warns)
     python scripts/deploy.py up     ... --warm-workers # a warm compute worker per node (torch loaded once)
     python scripts/deploy.py up     ... --superexec preforked  # process isolation; ClientApps forked, not exec'd
+    python scripts/deploy.py up     ... --netns        # each SuperNode on a host of its own (network namespace)
     python scripts/deploy.py run    --run-dir runs/deploy [-c 'k=v' ...]
     python scripts/deploy.py status --run-dir runs/deploy
     python scripts/deploy.py down   --run-dir runs/deploy
@@ -78,10 +79,12 @@ import tomli_w
 
 try:  # works both as `python scripts/deploy.py` and as `import scripts.deploy`
     from scripts import pki
+    from scripts.netns import NetnsError, VirtualLan
     from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers
 except ImportError:  # pragma: no cover - direct execution
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pki  # type: ignore[no-redef]
+    from netns import NetnsError, VirtualLan  # type: ignore[no-redef]
     from stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # type: ignore[no-redef]
 
 __all__ = [
@@ -119,6 +122,8 @@ FLOWER_BASE_ENV: dict[str, str] = {
 SUPEREXECS = ("flower", "preforked")
 #: ``Deployment(supernode=...)``: Flower's ``flower-supernode`` or ``client/paced_supernode.py``.
 SUPERNODES = ("flower", "paced")
+#: The processes of node k, which run on host k of ``Deployment(lan=...)``.
+NODE_ROLES = ("supernode", "superexec-clientapp", "warm-worker")
 
 #: Flower exit code of a SuperNode that could not connect/activate (notes §3, §4).
 FLWR_EXIT_SUPERNODE_NOT_ACTIVATED = 305
@@ -478,6 +483,16 @@ class Deployment:
         Start a warm compute worker (``python -m client.warm_worker``) next to every SuperNode and point
         the node at it (node config ``compute-worker``): torch, the data shard and the problem are then
         loaded once per node instead of once per message.
+    lan:
+        A :class:`scripts.netns.VirtualLan` with at least ``num_nodes`` hosts, created before :meth:`start`.
+        Node ``k`` (its SuperNode, SuperExec and warm worker) runs on host ``k``; the SuperLink, the ServerApp's
+        SuperExec and every ``flwr`` CLI call run on the LAN's server host, each host a network namespace of its
+        own. The Fleet API listens on the server's LAN address, which becomes ``host`` (a loopback ``host`` is
+        replaced by it; another address is an error); the Control API stays on the server host's loopback.
+        Every node's Runtime API is on its own host's loopback, so all use ``node_port_base`` unless
+        ``node_ports`` says otherwise.
+    owns_lan:
+        :meth:`stop` also removes ``lan`` (``deploy.py up --netns`` makes one for its deployment).
     env:
         Extra environment for every process.
     """
@@ -508,6 +523,8 @@ class Deployment:
         bin_dir: str | os.PathLike[str] | None = None,
         superlink_state: str = "sqlite",
         warm_workers: bool = False,
+        lan: VirtualLan | None = None,
+        owns_lan: bool = False,
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
@@ -530,12 +547,26 @@ class Deployment:
             )
         if node_ports is not None and len(node_ports) != num_nodes:
             raise ValueError(f"node_ports needs {num_nodes} entries, got {len(node_ports)}")
+        if lan is not None:
+            if lan.num_hosts < num_nodes:
+                raise ValueError(f"lan has {lan.num_hosts} hosts for {num_nodes} nodes")
+            if _is_loopback(host):
+                host = lan.server_address
+            elif host != lan.server_address:
+                raise ValueError(f"with a lan the SuperLink's Fleet API listens on its server address "
+                                 f"{lan.server_address}, not {host}: the nodes reach nothing else")
+        elif owns_lan:
+            raise ValueError("owns_lan=True needs a lan")
         if superexec_poll_interval is not None and not 0.01 <= superexec_poll_interval <= 60:
             raise ValueError(
                 f"superexec_poll_interval must be in [0.01, 60] (Flower's range), got {superexec_poll_interval}"
             )
-        reserved = set(node_ports or [node_port_base + k for k in range(num_nodes)])
-        if len(reserved | {fleet_port, control_port}) != num_nodes + 2:
+        if node_ports is None:  # on a lan every node is alone on its host's loopback
+            node_ports = [node_port_base if lan is not None else node_port_base + k for k in range(num_nodes)]
+        if lan is not None:
+            if fleet_port == control_port:
+                raise ValueError("fleet_port and control_port must differ")
+        elif len(set(node_ports) | {fleet_port, control_port}) != num_nodes + 2:
             raise ValueError("fleet_port, control_port and the node ports must all differ")
 
         self.num_nodes = num_nodes
@@ -548,9 +579,7 @@ class Deployment:
         self.control_host = control_host
         self.fleet_port = fleet_port
         self.control_port = control_port
-        self.node_ports = list(node_ports) if node_ports is not None else [
-            node_port_base + k for k in range(num_nodes)
-        ]
+        self.node_ports = list(node_ports)
         self.isolation = isolation
         self.superexec = superexec
         self.supernode = supernode
@@ -565,6 +594,8 @@ class Deployment:
         # "database is locked" under heavy load; everything is lost when the SuperLink stops)
         self.superlink_state = superlink_state
         self.warm_workers = warm_workers
+        self.lan = lan
+        self.owns_lan = owns_lan
         self.extra_env = dict(env or {})
         self.bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent
         self.token = secrets.token_hex(8)
@@ -756,6 +787,10 @@ class Deployment:
     def _spawn(self, role: str, index: int | None, cmd: list[str], home: Path,
                env: Mapping[str, str] | None = None) -> ProcInfo:
         name = role if index is None else f"{role}-{index}"
+        if self.lan is not None and index is not None and role in NODE_ROLES:
+            cmd = [*self.lan.exec_prefix(index), *cmd]  # on node `index`'s own host
+        elif self.lan is not None:
+            cmd = [*self.lan.server_prefix(), *cmd]  # the SuperLink's side
         _mkdir_private(self.logs_dir)
         log_path = self.logs_dir / f"{name}.log"
         popen = self._popen_logged(cmd, log_path, f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} $ ", home,
@@ -833,9 +868,13 @@ class Deployment:
 
     # ----------------------------------------------------------------- CLI calls
 
+    def _on_server(self) -> list[str]:
+        """The prefix that runs a command where the Control API is reachable: the LAN's server host, or here."""
+        return self.lan.server_prefix() if self.lan is not None else []
+
     def flwr(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
         """Run the ``flwr`` CLI with this deployment's ``FLWR_HOME``."""
-        cmd = [self._bin("flwr"), *args]
+        cmd = [*self._on_server(), self._bin("flwr"), *args]
         try:
             res = subprocess.run(
                 cmd,
@@ -1033,6 +1072,8 @@ class Deployment:
         """Start the SuperLink, register keys (auth), start all SuperNodes. Does not wait online."""
         if self._started:
             raise DeploymentError("deployment already started")
+        if self.lan is not None and not self.lan.created:
+            raise DeploymentError(f"the virtual LAN {self.lan.tag} does not exist (removed by an earlier stop?)")
         _mkdir_private(self.run_dir)
         self.run_dir.chmod(0o700)  # also an existing run dir: it will hold state.db, node state, logs
         if not _is_loopback(self.control_host):
@@ -1045,7 +1086,9 @@ class Deployment:
         elif not self.auth:
             print(NO_AUTH_BANNER, file=sys.stderr)
             log.warning("SuperNode authentication disabled (--no-auth): any node trusting the CA can join")
-        busy = [p for p in [self.fleet_port, self.control_port, *self.node_ports] if not port_is_free(p, "127.0.0.1")]
+        # on a LAN every process is in a namespace made for it: no port there is taken
+        here = [] if self.lan is not None else [self.fleet_port, self.control_port, *self.node_ports]
+        busy = [p for p in here if not port_is_free(p, "127.0.0.1")]
         if busy:
             raise DeploymentError(f"ports already in use: {busy}")
         self._started = True
@@ -1111,11 +1154,9 @@ class Deployment:
         deadline = time.monotonic() + timeout
         health_ok = False
         tls_error: BaseException | None = None  # the last TLS failure of the health check
-        while time.monotonic() < deadline:
-            if not self._alive(link):
-                raise DeploymentError(
-                    f"SuperLink exited (rc={self._returncode(link)}):\n{_tail(link.log_path)}"
-                )
+
+        def probe() -> bool:  # the health check until it passes, then whether the Fleet API accepts connections
+            nonlocal health_ok, tls_error
             if not health_ok:
                 try:
                     with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
@@ -1126,7 +1167,16 @@ class Deployment:
                         tls_error = reason
             if health_ok:
                 with contextlib.suppress(OSError), socket.create_connection((host, self.fleet_port), timeout=1):
-                    return
+                    return True
+            return False
+
+        while time.monotonic() < deadline:
+            if not self._alive(link):
+                raise DeploymentError(
+                    f"SuperLink exited (rc={self._returncode(link)}):\n{_tail(link.log_path)}"
+                )
+            if self.lan.in_server(probe) if self.lan is not None else probe():
+                return
             time.sleep(0.25)
         why = ""
         if tls_error is not None and not health_ok:
@@ -1413,7 +1463,7 @@ class Deployment:
             n += 1
         self._run_counter = n
         self._save_state()
-        cmd = [self._bin("flwr"), "run", str(self.app_dir), self.connection]
+        cmd = [*self._on_server(), self._bin("flwr"), "run", str(self.app_dir), self.connection]
         if stream:
             cmd.append("--stream")
         if run_config:
@@ -1495,6 +1545,10 @@ class Deployment:
             while self.leftover_processes() and time.monotonic() < deadline:
                 time.sleep(0.1)
         self._started = False
+        if self.lan is not None and self.owns_lan and self.lan.created:
+            still = self.lan.destroy()
+            if still:
+                log.warning("could not remove %s of the virtual LAN", ", ".join(still))
         try:
             self._save_state()
         except OSError as err:  # never let bookkeeping hide the shutdown
@@ -1531,6 +1585,8 @@ class Deployment:
             "superexec_poll_interval": self.superexec_poll_interval,
             "superlink_state": self.superlink_state,
             "warm_workers": self.warm_workers,
+            "lan": self.lan.to_json() if self.lan is not None else None,
+            "owns_lan": self.owns_lan,
             "env": self.extra_env,
             "bin_dir": str(self.bin_dir),
             "node_ids": {str(k): v for k, v in self.node_ids.items()},
@@ -1577,6 +1633,8 @@ class Deployment:
             bin_dir=st["bin_dir"],
             superlink_state=st.get("superlink_state", "sqlite"),
             warm_workers=st.get("warm_workers", False),
+            lan=VirtualLan.from_json(st["lan"]) if st.get("lan") else None,
+            owns_lan=st.get("owns_lan", False),
         )
         dep.token = st["token"]
         dep.node_ids = {int(k): v for k, v in st["node_ids"].items()}
@@ -1629,6 +1687,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="bind address of the SuperLink's Control API (flwr CLI; default 127.0.0.1). It has no "
                          "credentials in Flower 1.39: whoever reaches it controls the federation (warns if not "
                          "loopback)")
+    up.add_argument("--netns", action="store_true",
+                    help="run the SuperLink and every SuperNode each on a host of its own: network namespaces on a "
+                         "virtual LAN 10.208.0.0/24, the SuperLink at .1 (needs root and iproute2), removed by "
+                         "`down`. Replaces --host; every node's Runtime API uses --node-port-base on its own host")
     up.add_argument("--fleet-port", type=int, default=9092)
     up.add_argument("--control-port", type=int, default=8000)
     up.add_argument("--node-port-base", type=int, default=9094)
@@ -1747,7 +1809,7 @@ def _up_isolation(isolation: str | None, superexec: str) -> str:
     return isolation or ("process" if superexec == "preforked" else "subprocess")
 
 
-def _new_deployment(args: argparse.Namespace, isolation: str) -> Deployment:
+def _new_deployment(args: argparse.Namespace, isolation: str, lan: VirtualLan | None = None) -> Deployment:
     return Deployment(
         args.nodes,
         run_dir=args.run_dir,
@@ -1769,6 +1831,8 @@ def _new_deployment(args: argparse.Namespace, isolation: str) -> Deployment:
         superexec_poll_interval=args.poll_interval,
         superlink_state=args.superlink_state,
         warm_workers=args.warm_workers,
+        lan=lan,
+        owns_lan=lan is not None,
     )
 
 
@@ -1776,9 +1840,12 @@ def _up(args: argparse.Namespace) -> int:
     if args.insecure and args.auth:
         print("--auth needs TLS: it cannot be combined with --insecure", file=sys.stderr)
         return 2
+    if args.netns and not _is_loopback(args.host):
+        print("--netns puts the SuperLink on the virtual LAN's server address: leave out --host", file=sys.stderr)
+        return 2
     try:
         isolation = _up_isolation(args.isolation, args.superexec)
-        dep = _new_deployment(args, isolation)
+        _new_deployment(args, isolation)  # every check that needs no LAN yet, before anything is made
     except ValueError as err:  # a value the Deployment refuses (--nodes 0, one port twice, ...): before any start
         print(f"deploy.py up: error: {err}", file=sys.stderr)
         return 2
@@ -1789,6 +1856,16 @@ def _up(args: argparse.Namespace) -> int:
             print(f"a deployment is already running in {args.run_dir}; `deploy.py down` first",
                   file=sys.stderr)  # fmt: skip
             return 2
+    lan = None
+    if args.netns:
+        try:
+            lan = VirtualLan(args.nodes).create()
+        except NetnsError as err:
+            print(f"deploy.py up: error: --netns: {err}", file=sys.stderr)
+            return 2
+        print(f"virtual LAN {lan.subnet}: SuperLink on {lan.server_namespace} ({lan.server_address}), nodes on "
+              + ", ".join(f"{ns} ({addr})" for ns, addr in lan.hosts()), flush=True)
+    dep = _new_deployment(args, isolation, lan)
     # --foreground / --down-after: whatever ends this process (run done, Ctrl-C, SIGTERM, an error)
     # stops every process; otherwise the deployment outlives `up` unless it failed to come up.
     stop_at_exit = args.foreground or args.down_after
@@ -1807,7 +1884,9 @@ def _up(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
         # the flwr CLI by its path: the venv that runs this script need not be on PATH (a bare `flwr` was "command
         # not found" for a user who ran .venv/bin/python scripts/deploy.py without activating the venv)
-        print(f"  FLWR_HOME={dep.cli_home} {shlex.quote(dep._bin('flwr'))} supernode ls {dep.connection}", flush=True)
+        on_server = "".join(f"{shlex.quote(a)} " for a in dep._on_server())  # --netns: the server host's namespace
+        print(f"  FLWR_HOME={dep.cli_home} {on_server}{shlex.quote(dep._bin('flwr'))} supernode ls {dep.connection}",
+              flush=True)
         rc = 0
         if args.run:
             res = dep.run_app(run_config_args=args.run_config, timeout=args.run_timeout)
@@ -1843,6 +1922,10 @@ def _down(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     dep = Deployment.attach(args.run_dir)
     out: dict[str, Any] = {"processes": dep.process_table()}
+    if dep.lan is not None:
+        server = {"netns": dep.lan.server_namespace, "address": dep.lan.server_address}
+        out["lan"] = {**dep.lan.to_json(), "server": server,
+                      "hosts": [{"netns": ns, "address": addr} for ns, addr in dep.lan.hosts()]}
     try:
         out["nodes"] = dep.list_nodes()
         out["runs"] = dep.list_runs()
