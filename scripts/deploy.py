@@ -1175,7 +1175,11 @@ class Deployment:
                 raise DeploymentError(
                     f"SuperLink exited (rc={self._returncode(link)}):\n{_tail(link.log_path)}"
                 )
-            if self.lan.in_server(probe) if self.lan is not None else probe():
+            try:
+                ready = self.lan.in_server(probe) if self.lan is not None else probe()
+            except NetnsError as err:
+                raise DeploymentError(f"cannot check the SuperLink on the LAN's server host: {err}") from err
+            if ready:
                 return
             time.sleep(0.25)
         why = ""
@@ -1260,6 +1264,8 @@ class Deployment:
 
     def spawn_probe_node(self, private_key: Path, *, port: int, name: str = "probe") -> ProcInfo:
         """Start an extra SuperNode with ``private_key`` (not counted; e.g. an unregistered key)."""
+        if self.lan is not None:  # it would need a host of its own, and `port` is chosen on this machine's namespace
+            raise DeploymentError("a probe node is for deployments on loopback, not on a LAN")
         cmd = [
             self._bin("flower-supernode"),
             *self._tls_client_args(),
@@ -1792,7 +1798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with signal_handlers(raise_interrupt, STOP_SIGNALS):
                 return _up(args) if args.command == "up" else _run(args)
         return _down(args) if args.command == "down" else _status(args)
-    except DeploymentError as err:
+    except (DeploymentError, NetnsError) as err:
         print(f"deploy.py {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
@@ -1845,7 +1851,8 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     try:
         isolation = _up_isolation(args.isolation, args.superexec)
-        _new_deployment(args, isolation)  # every check that needs no LAN yet, before anything is made
+        lan = VirtualLan(args.nodes) if args.netns else None  # its names and addresses; made below
+        _new_deployment(args, isolation, lan)  # every check of the values, before anything is made
     except ValueError as err:  # a value the Deployment refuses (--nodes 0, one port twice, ...): before any start
         print(f"deploy.py up: error: {err}", file=sys.stderr)
         return 2
@@ -1856,26 +1863,32 @@ def _up(args: argparse.Namespace) -> int:
             print(f"a deployment is already running in {args.run_dir}; `deploy.py down` first",
                   file=sys.stderr)  # fmt: skip
             return 2
-    lan = None
-    if args.netns:
-        try:
-            lan = VirtualLan(args.nodes).create()
-        except NetnsError as err:
-            print(f"deploy.py up: error: --netns: {err}", file=sys.stderr)
-            return 2
-        print(f"virtual LAN {lan.subnet}: SuperLink on {lan.server_namespace} ({lan.server_address}), nodes on "
-              + ", ".join(f"{ns} ({addr})" for ns, addr in lan.hosts()), flush=True)
-    dep = _new_deployment(args, isolation, lan)
+        if prev.lan is not None and prev.owns_lan and prev.lan.created:  # its processes died: the state file is
+            print(f"removing the virtual LAN {prev.lan.tag} of the earlier deployment in {args.run_dir}",
+                  file=sys.stderr)  # about to be replaced, and with it the only record of that LAN
+            prev.lan.destroy()
     # --foreground / --down-after: whatever ends this process (run done, Ctrl-C, SIGTERM, an error)
     # stops every process; otherwise the deployment outlives `up` unless it failed to come up.
     stop_at_exit = args.foreground or args.down_after
     stopped = False
+    dep: Deployment | None = None
     try:
         try:
+            if lan is not None:
+                lan.create()
+            dep = _new_deployment(args, isolation, lan)
+            if lan is not None:  # recorded at once: `down` removes it whenever `up` dies from here on
+                _mkdir_private(dep.run_dir)
+                dep._save_state()
+                print(f"virtual LAN {lan.subnet}: SuperLink on {lan.server_namespace} ({lan.server_address}), "
+                      "nodes on " + ", ".join(f"{ns} ({addr})" for ns, addr in lan.hosts()), flush=True)
             dep.start()
             dep.wait_online(timeout=args.timeout)
         except BaseException:
-            _stop_quietly(dep)
+            if dep is not None:
+                _stop_quietly(dep)  # also removes the LAN it owns
+            elif lan is not None:
+                lan.destroy()
             stopped = True
             raise
         mode = ("INSECURE (no TLS, no auth)" if dep.insecure else "TLS, NO SuperNode auth" if not dep.auth
@@ -1899,7 +1912,7 @@ def _up(args: argparse.Namespace) -> int:
                     time.sleep(3600)
         return rc
     finally:
-        if stop_at_exit and not stopped:
+        if stop_at_exit and not stopped and dep is not None:
             _stop_quietly(dep)
 
 

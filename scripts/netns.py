@@ -4,10 +4,12 @@ Every host is a Linux network namespace with its own loopback. The server host, 
 with the LAN's first address (``.1`` of its ``/24``); host ``k``, ``pgvi-<tag>-<k>``, has one interface, ``eth0``
 at ``.k+2``, the far end of a veth pair whose near end is a port of that bridge. Nothing of the LAN is in the
 caller's namespace, so what listens on it is reachable from the LAN's hosts only, never from this machine's own
-network. A process started with :meth:`VirtualLan.exec_prefix` (a node) or :meth:`VirtualLan.server_prefix`
-sees its host's addresses only: a node reaches the server's LAN address and nothing else, not the server's
-loopback (where the SuperLink's Control API stays) nor another node's loopback (each SuperNode's Runtime API is on
-its own host's ``127.0.0.1``, so all use the same port, as on real machines). :meth:`VirtualLan.in_server` runs a
+network. The bridge's ports are isolated: a node's packets go to the server host, never to another node. A process
+started with :meth:`VirtualLan.exec_prefix` (a node) or :meth:`VirtualLan.server_prefix` sees its host's
+addresses only: a node reaches the server's LAN address and nothing else, not the server's loopback (where the
+SuperLink's Control API stays), not another node, and nothing outside the LAN (no default route: a data set that
+would be downloaded fails). Each SuperNode's Runtime API is on its own host's ``127.0.0.1``, so all use the same
+port, as on real machines. :meth:`VirtualLan.in_server` runs a
 Python function in the server host (a health check, a listening socket). :meth:`VirtualLan.set_link` takes a
 node's cable out (a network partition: its sockets stay open and stop carrying packets, unlike a killed process)
 and puts it back.
@@ -174,6 +176,9 @@ class VirtualLan:
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", srv, "link", "set", port, "master", self.bridge)
+            # an isolated port forwards to the bridge (the server) only, not to the other ports: nodes of different
+            # owners do not share a network, they share a server
+            _ip("-n", srv, "link", "set", "dev", port, "type", "bridge_slave", "isolated", "on")
             _ip("-n", srv, "link", "set", port, "up")
 
     def set_link(self, k: int, up: bool) -> None:
@@ -223,7 +228,10 @@ class VirtualLan:
 
         def enter_and_run() -> None:
             try:
-                fd = os.open(f"/run/netns/{self.server_namespace}", os.O_RDONLY)
+                try:
+                    fd = os.open(f"/run/netns/{self.server_namespace}", os.O_RDONLY)
+                except OSError as err:
+                    raise NetnsError(f"the server host {self.server_namespace} is not there: {err}") from None
                 try:
                     if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
                         err = ctypes.get_errno()
