@@ -86,7 +86,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -530,15 +530,21 @@ class RowWatcher:
 
 # ================================================================================================ TCP bytes
 class WireCounter:
-    """Per-connection TCP ``bytes_acked`` of the Fleet API port, from ``ss -ti`` (sampled on each tick)."""
+    """Per-connection TCP ``bytes_acked`` of the Fleet API port, from ``ss -ti`` (sampled on each tick).
 
-    def __init__(self, port: int) -> None:
+    On loopback both ends of every connection are in this namespace: a node's socket counts what the node sent (its
+    ``bytes_acked``), the SuperLink's what the SuperLink sent. With ``prefix`` (``ip netns exec <server host>``, the
+    ``--netns`` LAN) only the SuperLink's ends are visible: they count both directions, ``bytes_acked`` sent and
+    ``bytes_received`` received."""
+
+    def __init__(self, port: int, prefix: Sequence[str] = ()) -> None:
         self.port = port
+        self.prefix = list(prefix)
         self.series: dict[tuple[str, str, str], list[tuple[float, int]]] = {}  # (direction, local, peer)
 
     def sample(self, t: float) -> None:
         out = subprocess.run(
-            ["ss", "-tinH", "state", "established", f"( sport = :{self.port} or dport = :{self.port} )"],
+            [*self.prefix, "ss", "-tinH", "state", "established", f"( sport = :{self.port} or dport = :{self.port} )"],
             capture_output=True, text=True, timeout=10,
         ).stdout
         lines = out.splitlines()
@@ -554,6 +560,9 @@ class WireCounter:
             acked = int(m.group(1)) if m else 0
             direction = "node->link" if peer.endswith(f":{self.port}") else "link->node"
             self.series.setdefault((direction, local, peer), []).append((t, acked))
+            if self.prefix and direction == "link->node":  # the node's end is on its own host: count it here
+                m = re.search(r"bytes_received:(\d+)", info)
+                self.series.setdefault(("node->link", local, peer), []).append((t, int(m.group(1)) if m else 0))
 
     def between(self, direction: str, t0: float, t1: float) -> int:
         total = 0
@@ -656,7 +665,8 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
         run_config["object-pull-retry-s"] = args.object_pull_retry
     if not args.pipeline_evaluation:
         run_config["pipeline-evaluation"] = False
-    print(f"\n=== part 1: {args.clients}-client BNN rounds over TLS on loopback ===", flush=True)
+    where = "a virtual LAN, each node on a host of its own (--netns)" if args.netns else "loopback"
+    print(f"\n=== part 1: {args.clients}-client BNN rounds over TLS on {where} ===", flush=True)
     print(f"run config overrides: {json.dumps(run_config)}", flush=True)
     up0 = uptime_line()
     print(f"uptime before: {up0}", flush=True)
@@ -677,10 +687,23 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     if args.object_pull_retry is not None:
         extra["env"] = {ENV_INITIAL_RETRY: str(args.object_pull_retry)}
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
-    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode})
-    with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
-                         warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
-                         supernode=args.supernode, **extra) as dep:
+    result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode,
+                   "netns": args.netns})
+    lan = None
+    if args.netns:  # the deployment's stop() removes it (owns_lan)
+        from scripts.netns import VirtualLan
+
+        lan = VirtualLan(args.clients).create()
+        extra.update(lan=lan, owns_lan=True)
+    try:
+        dep = BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
+                              warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
+                              supernode=args.supernode, **extra)
+    except BaseException:
+        if lan is not None:  # no deployment owns it
+            lan.destroy()
+        raise
+    with dep:
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup
@@ -691,7 +714,7 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
               f"{dep.superexec_poll_interval}, SuperLink --database "
               f"{':flwr-in-memory:' if args.superlink_db == 'memory' else dep.run_dir / 'superlink' / 'state.db'})",
               flush=True)
-        wire = WireCounter(ports["fleet_port"])
+        wire = WireCounter(ports["fleet_port"], dep._on_server())
         tick = {"n": 0}
 
         def on_tick(t: float) -> None:
@@ -1276,6 +1299,9 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:  # noqa: ARG001
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--network", action="store_true", help="part 1: BNN rounds in the loopback deployment")
+    ap.add_argument("--netns", action="store_true",
+                    help="part 1 on a virtual LAN: the SuperLink and each SuperNode on a host of its own, network "
+                         "namespaces (scripts/netns.py; root), instead of loopback")
     ap.add_argument("--simulation", action="store_true", help="part 2: 1,000-client simulation memory")
     ap.add_argument("--client-rss", action="store_true", help="part 3: client process RSS, two installs")
     ap.add_argument("--latency", action="store_true",

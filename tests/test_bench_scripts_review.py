@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -307,3 +308,68 @@ def test_bench_fab_install_refuses_zero_calls(monkeypatch, capsys):
         bench_fab_install.main()
     assert exc.value.code == 2
     assert "argument --calls: must be an integer >= 1" in capsys.readouterr().err
+
+
+def _exchange(server: socket.socket, client_cmd: list[str], counter: bn.WireCounter) -> tuple[int, int]:
+    """A client (``client_cmd`` runs it) connects to ``server``, waits for a line, sends 300,000 bytes and reads
+    120,000; the counter is sampled once the connection stands (t=1) and once both sides have all bytes (t=2)."""
+    up, down = 300_000, 120_000
+    host, port = server.getsockname()[:2]
+    code = (
+        "import socket, sys\n"
+        f"s = socket.create_connection(({host!r}, {port}))\n"
+        "print('connected', flush=True); sys.stdin.readline()\n"
+        f"s.sendall(b'u' * {up}); got = 0\n"
+        f"while got < {down}: got += len(s.recv(65536))\n"
+        "print('done', flush=True); sys.stdin.readline()\n"
+    )
+    client = subprocess.Popen([*client_cmd, sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        conn, _ = server.accept()
+        assert client.stdout.readline().strip() == "connected"
+        counter.sample(1.0)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        got = 0
+        while got < up:
+            got += len(conn.recv(65536))
+        conn.sendall(b"d" * down)
+        assert client.stdout.readline().strip() == "done"
+        time.sleep(0.3)  # the last delayed ACKs
+        counter.sample(2.0)
+        client.stdin.write("bye\n")
+        client.stdin.flush()
+        conn.close()
+    finally:
+        client.wait(timeout=30)
+    return up, down
+
+
+def test_wire_counter_counts_both_ends_on_loopback():
+    server = socket.create_server(("127.0.0.1", 0))
+    counter = bn.WireCounter(server.getsockname()[1])
+    with server:
+        up, down = _exchange(server, [], counter)
+    assert counter.between("node->link", 1.0, 2.0) == up  # the client's own socket
+    assert counter.between("link->node", 1.0, 2.0) == down
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_wire_counter_counts_both_directions_from_the_server_host_of_a_lan():
+    """``--netns``: only the SuperLink's ends are in the namespace it samples; they give both directions."""
+    from scripts.netns import NetnsError, VirtualLan
+
+    lan = VirtualLan(1)
+    try:
+        lan.create()
+    except NetnsError as err:
+        pytest.skip(f"network namespaces cannot be made here: {err}")
+    with lan:
+        server = lan.in_server(lambda: socket.create_server((lan.server_address, 0)))
+        counter = bn.WireCounter(server.getsockname()[1], lan.server_prefix())
+        with server:
+            up, down = _exchange(server, lan.exec_prefix(0), counter)
+    assert counter.between("node->link", 1.0, 2.0) == up
+    assert counter.between("link->node", 1.0, 2.0) == down
+    assert {d for d, _, _ in counter.series} == {"node->link", "link->node"} and len(counter.series) == 2
