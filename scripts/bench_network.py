@@ -689,21 +689,15 @@ def bench_network(args: argparse.Namespace) -> dict[str, Any]:
     isolation = args.isolation or ("process" if args.superexec == "preforked" else "subprocess")
     result.update({"isolation": isolation, "superexec": args.superexec, "supernode": args.supernode,
                    "netns": args.netns})
-    lan = None
-    if args.netns:  # the deployment's stop() removes it (owns_lan)
+    if args.netns:  # made when the deployment starts; its stop() removes it (owns_lan)
         from scripts.netns import VirtualLan
 
-        lan = VirtualLan(args.clients).create()
-        extra.update(lan=lan, owns_lan=True)
-    try:
-        dep = BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
-                              warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
-                              supernode=args.supernode, **extra)
-    except BaseException:
-        if lan is not None:  # no deployment owns it
-            lan.destroy()
-        raise
-    with dep:
+        extra.update(lan=VirtualLan(args.clients), owns_lan=True)
+    with BenchDeployment(args.clients, run_dir=wd / "deploy", node_config={"torch-threads": 1}, **ports,
+                         warm_workers=args.warm_workers, isolation=isolation, superexec=args.superexec,
+                         supernode=args.supernode, **extra) as dep:
+        if dep.lan is not None:
+            dep.lan.create()
         dep.start()
         dep.wait_online(timeout=600)
         result["setup-seconds"] = time.time() - t_setup

@@ -789,8 +789,8 @@ class Deployment:
         name = role if index is None else f"{role}-{index}"
         if self.lan is not None and index is not None and role in NODE_ROLES:
             cmd = [*self.lan.exec_prefix(index), *cmd]  # on node `index`'s own host
-        elif self.lan is not None:
-            cmd = [*self.lan.server_prefix(), *cmd]  # the SuperLink's side
+        else:
+            cmd = [*self._on_server(), *cmd]  # the SuperLink's side
         _mkdir_private(self.logs_dir)
         log_path = self.logs_dir / f"{name}.log"
         popen = self._popen_logged(cmd, log_path, f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} $ ", home,
@@ -1852,7 +1852,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         isolation = _up_isolation(args.isolation, args.superexec)
         lan = VirtualLan(args.nodes) if args.netns else None  # its names and addresses; made below
-        _new_deployment(args, isolation, lan)  # every check of the values, before anything is made
+        dep = _new_deployment(args, isolation, lan)  # every check of the values, before anything is made
     except ValueError as err:  # a value the Deployment refuses (--nodes 0, one port twice, ...): before any start
         print(f"deploy.py up: error: {err}", file=sys.stderr)
         return 2
@@ -1871,13 +1871,11 @@ def _up(args: argparse.Namespace) -> int:
     # stops every process; otherwise the deployment outlives `up` unless it failed to come up.
     stop_at_exit = args.foreground or args.down_after
     stopped = False
-    dep: Deployment | None = None
     try:
         try:
             if lan is not None:
-                lan.create()
-            dep = _new_deployment(args, isolation, lan)
-            if lan is not None:  # recorded at once: `down` removes it whenever `up` dies from here on
+                lan.create()  # a create() that fails removes what it made
+                # recorded at once: `down` removes it whenever `up` dies from here on
                 _mkdir_private(dep.run_dir)
                 dep._save_state()
                 print(f"virtual LAN {lan.subnet}: SuperLink on {lan.server_namespace} ({lan.server_address}), "
@@ -1885,10 +1883,7 @@ def _up(args: argparse.Namespace) -> int:
             dep.start()
             dep.wait_online(timeout=args.timeout)
         except BaseException:
-            if dep is not None:
-                _stop_quietly(dep)  # also removes the LAN it owns
-            elif lan is not None:
-                lan.destroy()
+            _stop_quietly(dep)  # also removes the LAN it owns
             stopped = True
             raise
         mode = ("INSECURE (no TLS, no auth)" if dep.insecure else "TLS, NO SuperNode auth" if not dep.auth
@@ -1912,7 +1907,7 @@ def _up(args: argparse.Namespace) -> int:
                     time.sleep(3600)
         return rc
     finally:
-        if stop_at_exit and not stopped and dep is not None:
+        if stop_at_exit and not stopped:
             _stop_quietly(dep)
 
 

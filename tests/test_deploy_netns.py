@@ -173,17 +173,17 @@ def _in_host(dep: Deployment, k: int, *cmd: str) -> str:
 def test_a_create_that_fails_at_any_step_leaves_nothing(monkeypatch):
     from scripts import netns
 
+    not_steps = {("netns", "list"), ("link", "show"), ("netns", "del"), ("link", "del")}  # queries and clean-up
     real_ip, calls = netns._ip, []
     monkeypatch.setattr(netns, "_ip", lambda *a, **k: calls.append(a) or real_ip(*a, **k))
     with _make_lan(2):
-        steps = [a for a in calls if a[:2] not in (("netns", "list"), ("link", "show"))]
+        steps = [a for a in calls if a[:2] not in not_steps]
     assert len(steps) == 5 + 2 * 11
     for fail_at in range(len(steps)):
         seen = []
 
         def failing(*args, check=True, **kw):
-            if args[:2] not in (("netns", "list"), ("link", "show")) and args[:2] != ("netns", "del") \
-                    and args[:2] != ("link", "del"):
+            if args[:2] not in not_steps:
                 seen.append(args)
                 if len(seen) == fail_at + 1:
                     raise NetnsError(f"injected at step {fail_at}: {args}")
