@@ -295,12 +295,17 @@ def _terminate(pids: list[int], timeout: float) -> None:
     end = time.time() + timeout
     while time.time() < end and any(_alive(p) for p in pids):
         time.sleep(0.2)
+    killed = []
     for p in pids:
         if _alive(p):
             try:
                 os.kill(p, signal.SIGKILL)
+                killed.append(p)
             except (ProcessLookupError, PermissionError):  # exited between the check and the kill / not ours
                 pass
+    end = time.time() + 5.0  # SIGKILL is not instant: until they are gone, they still hold and write files
+    while killed and time.time() < end and any(_alive(p) for p in killed):
+        time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:
@@ -470,7 +475,6 @@ def _stop_everything(http_port: int | None, home: Path, own: subprocess.Popen | 
             _terminate([p for p in family if p != os.getpid()], LEAN_RAY_STOP_GRACE_S)
         except Exception as err:  # noqa: BLE001
             _warn(f"cleanup: could not stop the lean Ray head: {type(err).__name__}: {err}")
-        shutil.rmtree(ray_head.temp_dir, ignore_errors=True)
     try:
         stop_local_superlink(http_port, home)
     except Exception as err:  # noqa: BLE001
@@ -490,6 +494,31 @@ def _stop_everything(http_port: int | None, home: Path, own: subprocess.Popen | 
             _warn(f"cleanup: processes {left} of FLWR_HOME={home} still run")
     except Exception as err:  # noqa: BLE001
         _warn(f"cleanup: could not check for leftover processes: {type(err).__name__}: {err}")
+    if ray_head is not None:  # last: the Ray driver in the SuperLink's processes writes its logs into the head's
+        _remove_tree(ray_head.temp_dir)  # session dir until it stops, and a file it makes mid-rmtree keeps the dir
+
+
+#: Seconds :func:`_remove_tree` keeps retrying a directory that a process still writing into it keeps non-empty.
+REMOVE_TREE_TIMEOUT_S = 10.0
+
+
+def _remove_tree(path: Path, timeout: float = REMOVE_TREE_TIMEOUT_S) -> None:
+    """Remove ``path`` and everything under it, retrying while something still creates files in it (one rmtree
+    then fails on a directory that is no longer empty); a directory still there after ``timeout`` s is warned
+    about."""
+    end = time.time() + timeout
+    while True:
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+        except OSError as err:
+            if time.time() >= end:
+                _warn(f"cleanup: could not remove {path}: {type(err).__name__}: {err}")
+                return
+        time.sleep(0.1)
 
 
 #: The reaper's waiting stage (see :class:`_Reaper`), a POSIX shell: about 1 MB resident instead of the ~20 MB of an

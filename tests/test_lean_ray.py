@@ -366,3 +366,55 @@ def test_a_simulate_py_killed_outright_leaves_no_superlink_no_head_and_no_reaper
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         _kill(simulate._pids_with_env("FLWR_HOME", str(home)) + _naming(ray_tmp), ray_tmp)
+
+
+def test_the_heads_temp_dir_is_removed_after_the_superlink_stops(tmp_path, monkeypatch):
+    """The Ray driver inside the SuperLink's processes writes its logs into the head's session dir until it stops:
+    removing the dir before that left it behind once in CI (a file made mid-rmtree keeps its directory)."""
+    temp_dir = tmp_path / "head"
+    (temp_dir / "session" / "logs").mkdir(parents=True)
+    seen = []
+
+    def stop_superlink(port, home):  # the driver still writes when the SuperLink is being stopped
+        seen.append(temp_dir.exists())
+        (temp_dir / "session" / "logs" / "python-core-driver.log").write_text("still running")
+
+    monkeypatch.setattr(simulate, "stop_local_superlink", stop_superlink)
+    simulate._stop_everything(None, tmp_path / "home", None, simulate.LeanHead("no-such-marker", temp_dir))
+    assert seen == [True] and not temp_dir.exists()
+
+
+def test_remove_tree_retries_while_a_writer_keeps_the_tree_non_empty(tmp_path, monkeypatch):
+    """Each rmtree that a still-running writer defeats fails with 'Directory not empty' (here the first three); the
+    next attempt after the writer stops removes the tree."""
+    root = tmp_path / "tree"
+    (root / "a" / "logs").mkdir(parents=True)
+    (root / "a" / "logs" / "driver.log").write_text("x")
+    real, calls = shutil.rmtree, []
+
+    def rmtree(path):
+        calls.append(path)
+        if len(calls) <= 3:
+            (root / "a" / "logs" / f"new{len(calls)}.log").write_text("x")
+            raise OSError(39, "Directory not empty", str(root / "a" / "logs"))
+        real(path)
+
+    monkeypatch.setattr(simulate.shutil, "rmtree", rmtree)
+    simulate._remove_tree(root, timeout=5.0)
+    assert calls == [root] * 4 and not root.exists()
+    simulate._remove_tree(root)  # a tree that is gone: nothing to do, no error
+    assert len(calls) == 5
+
+
+def test_remove_tree_gives_up_after_its_timeout_with_a_warning(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "tree"
+    root.mkdir()
+
+    def failing(path):
+        raise OSError(39, "Directory not empty")
+
+    monkeypatch.setattr(simulate.shutil, "rmtree", failing)
+    t0 = time.time()
+    simulate._remove_tree(root, timeout=0.3)
+    assert 0.3 <= time.time() - t0 < 2.0 and root.exists()
+    assert f"could not remove {root}" in capsys.readouterr().err
