@@ -80,11 +80,13 @@ import tomli_w
 try:  # works both as `python scripts/deploy.py` and as `import scripts.deploy`
     from scripts import pki
     from scripts.netns import NetnsError, VirtualLan
+    from scripts.remove_tree import remove_tree
     from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers
 except ImportError:  # pragma: no cover - direct execution
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pki  # type: ignore[no-redef]
     from netns import NetnsError, VirtualLan  # type: ignore[no-redef]
+    from remove_tree import remove_tree  # type: ignore[no-redef]
     from stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # type: ignore[no-redef]
 
 __all__ = [
@@ -744,8 +746,7 @@ class Deployment:
     def wipe_node_state(self, k: int) -> None:
         """Empty node ``k``'s state dir (the ClientApp's durable state). Only while no message runs on it."""
         state_dir = self.node_state_dir(k)
-        if state_dir.exists():
-            shutil.rmtree(state_dir)
+        remove_tree(state_dir)  # retried: a ClientApp that is still exiting may save its state once more
         _mkdir_private(state_dir)
 
     def node_key(self, k: int) -> tuple[Path, Path]:
@@ -1863,10 +1864,16 @@ def _up(args: argparse.Namespace) -> int:
             print(f"a deployment is already running in {args.run_dir}; `deploy.py down` first",
                   file=sys.stderr)  # fmt: skip
             return 2
-        if prev.lan is not None and prev.owns_lan and prev.lan.created:  # its processes died: the state file is
-            print(f"removing the virtual LAN {prev.lan.tag} of the earlier deployment in {args.run_dir}",
-                  file=sys.stderr)  # about to be replaced, and with it the only record of that LAN
-            prev.lan.destroy()
+        # its recorded processes died, and its state file, the only record of what is left of it, is about to be
+        # replaced: stop that now (processes that left their group, e.g. the SuperLink's SuperExec; its LAN)
+        strays = prev.leftover_processes()
+        lan_left = prev.lan is not None and prev.owns_lan and prev.lan.created
+        if strays or lan_left:
+            what = [f"{len(strays)} stray process(es)"] if strays else []
+            what += [f"the virtual LAN {prev.lan.tag}"] if lan_left and prev.lan is not None else []
+            print(f"stopping what is left of the earlier deployment in {args.run_dir}: {' and '.join(what)}",
+                  file=sys.stderr)  # fmt: skip
+            prev.stop()
     # --foreground / --down-after: whatever ends this process (run done, Ctrl-C, SIGTERM, an error)
     # stops every process; otherwise the deployment outlives `up` unless it failed to come up.
     stop_at_exit = args.foreground or args.down_after

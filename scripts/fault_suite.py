@@ -89,6 +89,7 @@ from common.families import GaussianFactor  # noqa: E402
 from common.problem import build_problem  # noqa: E402
 from scripts.arg_types import int_at_least, number_above  # noqa: E402
 from scripts.deploy import Deployment, RunResult, free_port_kwargs  # noqa: E402
+from scripts.remove_tree import remove_tree  # noqa: E402
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 from strategies.checkpoint import CHECKPOINT_FILE  # noqa: E402
 from strategies.reference import exact_sites, expected_posterior, max_natural_diff  # noqa: E402
@@ -393,7 +394,7 @@ class Suite:
     ) -> tuple[RunRecord, dict[str, Any]]:
         """``flwr run`` in a thread; ``during(base_out, thread)`` acts while it runs; read the records back."""
         self.wait_load()
-        shutil.rmtree(base_out, ignore_errors=True)  # no records of an earlier attempt
+        remove_tree(base_out)  # no records of an earlier attempt (retried while its last processes exit)
         base_out.mkdir(parents=True, exist_ok=True)
         raw = {**raw, "output-dir": str(base_out)}
         cfg = parse_run_config(raw)

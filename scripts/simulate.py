@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:  # `python scripts/simulate.py`: for scripts.stop_
     sys.path.insert(0, str(ROOT))
 from scripts.arg_types import number_above  # noqa: E402
 from scripts.lean_ray import joining_env, start_lean_ray_head  # noqa: E402
+from scripts.remove_tree import remove_tree  # noqa: E402
 from scripts.stop_signals import STOP_SIGNALS, raise_interrupt, signal_handlers  # noqa: E402
 
 FLWR_ENV = {
@@ -498,27 +499,12 @@ def _stop_everything(http_port: int | None, home: Path, own: subprocess.Popen | 
         _remove_tree(ray_head.temp_dir)  # session dir until it stops, and a file it makes mid-rmtree keeps the dir
 
 
-#: Seconds :func:`_remove_tree` keeps retrying a directory that a process still writing into it keeps non-empty.
-REMOVE_TREE_TIMEOUT_S = 10.0
-
-
-def _remove_tree(path: Path, timeout: float = REMOVE_TREE_TIMEOUT_S) -> None:
-    """Remove ``path`` and everything under it, retrying while something still creates files in it (one rmtree
-    then fails on a directory that is no longer empty); a directory still there after ``timeout`` s is warned
-    about."""
-    end = time.time() + timeout
-    while True:
-        try:
-            shutil.rmtree(path)
-            return
-        except FileNotFoundError:
-            if not os.path.lexists(path):
-                return
-        except OSError as err:
-            if time.time() >= end:
-                _warn(f"cleanup: could not remove {path}: {type(err).__name__}: {err}")
-                return
-        time.sleep(0.1)
+def _remove_tree(path: Path) -> None:
+    """:func:`remove_tree`, a failure warned about instead of raised (the cleanup never raises)."""
+    try:
+        remove_tree(path)
+    except OSError as err:
+        _warn(f"cleanup: could not remove {path}: {type(err).__name__}: {err}")
 
 
 #: The reaper's waiting stage (see :class:`_Reaper`), a POSIX shell: about 1 MB resident instead of the ~20 MB of an

@@ -27,8 +27,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 FAKE_SUPERNODE = """#!/bin/sh
-echo "args: $*" >> "$FAKE_LOG"
 trap 'echo "got TERM" >> "$FAKE_LOG"; exit 0' TERM
+echo "args: $*" >> "$FAKE_LOG"
 if [ "$FAKE_MODE" = crash ]; then exit 1; fi
 while :; do sleep 0.05; done
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.deploy import Deployment, find_free_ports
+from scripts.deploy import MARKER_VAR, Deployment, find_free_ports
 from scripts.netns import NetnsError, VirtualLan, namespaces, unavailable_reason
 from strategies.reference import expected_posterior, max_natural_diff
 from tests.test_deployment import _run, assert_site_2_dropped_out, online, run_with_fault_after_round_1
@@ -201,37 +202,53 @@ def test_a_create_that_fails_at_any_step_leaves_nothing(monkeypatch):
 @NEEDS_NETNS
 def test_up_netns_and_down_from_the_command_line(tmp_path):
     """``deploy.py up --netns`` in one process, ``down`` in another, removes the LAN; an ``up`` after a deployment
-    whose processes all died removes that deployment's LAN before it replaces its state file."""
+    whose recorded processes all died stops what is left of it (its LAN, and processes that left their group, such
+    as the SuperLink's SuperExec) before it replaces its state file."""
     run_dir = tmp_path / "dep"
     cli = [sys.executable, "scripts/deploy.py"]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
-    def up() -> str:
+    def up() -> tuple[str, str]:
         # in-memory SuperLink state: the second SuperLink has not seen the first one's node, which was SIGKILLed
         # and would stay online in a kept state.db until its heartbeat expired (the known restart gotcha)
         out = subprocess.run([*cli, "up", "--run-dir", str(run_dir), "--netns", "--nodes", "1", "--superlink-state",
                               "memory"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads((run_dir / "deployment.json").read_text())["lan"]["tag"]
+        return json.loads((run_dir / "deployment.json").read_text())["lan"]["tag"], out.stderr
 
-    first = up()
-    assert {f"pgvi-{first}-s", f"pgvi-{first}-0"} <= set(namespaces())
-    dep = Deployment.attach(run_dir)
-    for p in dep.procs:  # every process dies at once (a crash, the OOM killer): the LAN stays
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-    deadline = time.time() + 30
-    while any(r["alive"] for r in dep.process_table()) and time.time() < deadline:
-        time.sleep(0.2)
-    assert f"pgvi-{first}-s" in namespaces()
-    second = up()
-    assert second != first and f"pgvi-{first}-s" not in namespaces() and f"pgvi-{second}-s" in namespaces()
-    out = subprocess.run([*cli, "down", "--run-dir", str(run_dir)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out
-    assert not any(ns.startswith((f"pgvi-{first}-", f"pgvi-{second}-")) for ns in namespaces())
-    assert Deployment.attach(run_dir).leftover_processes() == []
+    stray = None
+    try:
+        first, _ = up()
+        assert {f"pgvi-{first}-s", f"pgvi-{first}-0"} <= set(namespaces())
+        dep = Deployment.attach(run_dir)
+        for p in dep.procs:  # every process dies at once (a crash, the OOM killer): the LAN stays
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while any(r["alive"] for r in dep.process_table()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert f"pgvi-{first}-s" in namespaces()
+        # a process of that deployment in a session of its own, as the SuperLink starts its SuperExec: the kill of the
+        # recorded process groups misses it
+        stray = subprocess.Popen(["sleep", "300"], env={**env, MARKER_VAR: dep.token}, start_new_session=True)
+        second, said = up()
+        assert second != first and f"pgvi-{first}-s" not in namespaces() and f"pgvi-{second}-s" in namespaces()
+        # the sleep, and the SuperLink's own SuperExec when it had started by then
+        assert re.search(rf"stopping what is left of the earlier deployment in {re.escape(str(run_dir))}: [12] stray "
+                         rf"process\(es\) and the virtual LAN {first}\n", said), said
+        assert stray.wait(timeout=10) == -signal.SIGTERM and dep.leftover_processes() == []
+        out = subprocess.run([*cli, "down", "--run-dir", str(run_dir)], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out
+        assert not any(ns.startswith((f"pgvi-{first}-", f"pgvi-{second}-")) for ns in namespaces())
+        assert Deployment.attach(run_dir).leftover_processes() == []
+    finally:  # whatever failed above: nothing of either deployment stays
+        if stray is not None and stray.poll() is None:
+            stray.kill()
+            stray.wait()
+        if (run_dir / "deployment.json").exists():
+            Deployment.attach(run_dir).stop()
 
 
 @pytest.mark.slow

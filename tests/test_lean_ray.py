@@ -4,9 +4,9 @@ gives the in-process run's posterior; the cleanup leaves nothing of it, also whe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -17,6 +17,7 @@ import pytest
 
 from scripts import lean_ray, simulate
 from scripts.lean_ray import LeanRayError, start_lean_ray_head
+from scripts.remove_tree import remove_tree
 from tests.test_inprocess import BASE, TEXTBOOK_PARITY_CASES, run
 
 pytestmark = pytest.mark.slow
@@ -54,8 +55,9 @@ def _kill(pids: list[int], temp_dir: Path | None = None) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if temp_dir is not None:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    if temp_dir is not None:  # retried while the killed processes still exit (a teardown: never raises)
+        with contextlib.suppress(OSError):
+            remove_tree(temp_dir)
 
 
 def _start(marker: str, temp_dir: Path, **kw) -> str:
@@ -94,7 +96,7 @@ def test_the_head_runs_only_gcs_raylet_and_the_agents_and_the_cleanup_stops_it(t
         _check_the_raylet_and_the_runtime_env_agent_want_the_token(head)
         t0 = time.time()
         simulate._cleanup(simulate.free_port(), head.temp_dir / "no-flwr-home", None, head)
-        assert time.time() - t0 < simulate.LEAN_RAY_STOP_GRACE_S + 5  # the GCS ignores SIGTERM: killed after the grace
+        assert time.time() - t0 < simulate.LEAN_RAY_STOP_GRACE_S + 10  # the GCS ignores SIGTERM: killed after the grace
         assert _head_family(head.marker) == [] and _naming(head.temp_dir) == []
         assert not head.temp_dir.exists()
     finally:
@@ -384,37 +386,10 @@ def test_the_heads_temp_dir_is_removed_after_the_superlink_stops(tmp_path, monke
     assert seen == [True] and not temp_dir.exists()
 
 
-def test_remove_tree_retries_while_a_writer_keeps_the_tree_non_empty(tmp_path, monkeypatch):
-    """Each rmtree that a still-running writer defeats fails with 'Directory not empty' (here the first three); the
-    next attempt after the writer stops removes the tree."""
-    root = tmp_path / "tree"
-    (root / "a" / "logs").mkdir(parents=True)
-    (root / "a" / "logs" / "driver.log").write_text("x")
-    real, calls = shutil.rmtree, []
-
-    def rmtree(path):
-        calls.append(path)
-        if len(calls) <= 3:
-            (root / "a" / "logs" / f"new{len(calls)}.log").write_text("x")
-            raise OSError(39, "Directory not empty", str(root / "a" / "logs"))
-        real(path)
-
-    monkeypatch.setattr(simulate.shutil, "rmtree", rmtree)
-    simulate._remove_tree(root, timeout=5.0)
-    assert calls == [root] * 4 and not root.exists()
-    simulate._remove_tree(root)  # a tree that is gone: nothing to do, no error
-    assert len(calls) == 5
-
-
-def test_remove_tree_gives_up_after_its_timeout_with_a_warning(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "tree"
-    root.mkdir()
-
+def test_a_temp_dir_that_cannot_be_removed_is_warned_about_and_the_cleanup_goes_on(tmp_path, monkeypatch, capsys):
     def failing(path):
         raise OSError(39, "Directory not empty")
 
-    monkeypatch.setattr(simulate.shutil, "rmtree", failing)
-    t0 = time.time()
-    simulate._remove_tree(root, timeout=0.3)
-    assert 0.3 <= time.time() - t0 < 2.0 and root.exists()
-    assert f"could not remove {root}" in capsys.readouterr().err
+    monkeypatch.setattr(simulate, "remove_tree", failing)
+    simulate._remove_tree(tmp_path)
+    assert f"could not remove {tmp_path}: OSError" in capsys.readouterr().err
