@@ -1552,8 +1552,8 @@ class Deployment:
             while self.leftover_processes() and time.monotonic() < deadline:
                 time.sleep(0.1)
         self._started = False
-        if self.lan is not None and self.owns_lan and self.lan.created:
-            still = self.lan.destroy()
+        if (lan := self.owned_lan()) is not None:
+            still = lan.destroy()
             if still:
                 log.warning("could not remove %s of the virtual LAN", ", ".join(still))
         try:
@@ -1561,6 +1561,10 @@ class Deployment:
         except OSError as err:  # never let bookkeeping hide the shutdown
             log.warning("could not save state: %s", err)
         return leftovers
+
+    def owned_lan(self) -> VirtualLan | None:
+        """The virtual LAN this deployment owns while it exists (:meth:`stop` removes it), else None."""
+        return self.lan if self.lan is not None and self.owns_lan and self.lan.created else None
 
     def __enter__(self) -> Deployment:
         return self
@@ -1866,11 +1870,10 @@ def _up(args: argparse.Namespace) -> int:
             return 2
         # its recorded processes died, and its state file, the only record of what is left of it, is about to be
         # replaced: stop that now (processes that left their group, e.g. the SuperLink's SuperExec; its LAN)
-        strays = prev.leftover_processes()
-        lan_left = prev.lan is not None and prev.owns_lan and prev.lan.created
-        if strays or lan_left:
+        strays, lan_left = prev.leftover_processes(), prev.owned_lan()
+        if strays or lan_left is not None:
             what = [f"{len(strays)} stray process(es)"] if strays else []
-            what += [f"the virtual LAN {prev.lan.tag}"] if lan_left and prev.lan is not None else []
+            what += [f"the virtual LAN {lan_left.tag}"] if lan_left is not None else []
             print(f"stopping what is left of the earlier deployment in {args.run_dir}: {' and '.join(what)}",
                   file=sys.stderr)  # fmt: skip
             prev.stop()

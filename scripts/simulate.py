@@ -293,9 +293,7 @@ def _terminate(pids: list[int], timeout: float) -> None:
             pass
         except PermissionError as err:
             _warn(f"cleanup: cannot stop process {p}: {err}")
-    end = time.time() + timeout
-    while time.time() < end and any(_alive(p) for p in pids):
-        time.sleep(0.2)
+    _wait_gone(pids, timeout)
     killed = []
     for p in pids:
         if _alive(p):
@@ -304,8 +302,13 @@ def _terminate(pids: list[int], timeout: float) -> None:
                 killed.append(p)
             except (ProcessLookupError, PermissionError):  # exited between the check and the kill / not ours
                 pass
-    end = time.time() + 5.0  # SIGKILL is not instant: until they are gone, they still hold and write files
-    while killed and time.time() < end and any(_alive(p) for p in killed):
+    _wait_gone(killed, 5.0)  # SIGKILL is not instant: until they are gone, they still hold and write files
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    """Until none of ``pids`` is alive, at most ``timeout`` s."""
+    end = time.time() + timeout
+    while time.time() < end and any(_alive(p) for p in pids):
         time.sleep(0.05)
 
 
