@@ -91,7 +91,13 @@ class _Run:
         assert s.ledger_versions[VICTIM] == self.ledger_at_kill[VICTIM] >= 1
         for cid in ("site-0", "site-1"):
             assert s.ledger_versions[cid] > self.ledger_at_kill[cid]
-        assert not s.rejections
+        # nothing rejected, except in the asynchronous schedule a live client's reply that came in the same pull as
+        # the outcome closing the last round, or after it: rejected by design (its client's pending update is then
+        # resolved against the ledger, which client_sites below checks); which replies do is down to timing
+        late = [x for x in s.rejections
+                if x["reason"] == "arrived after the last round" and x["round"] == cfg.num_server_rounds + 1
+                and x["client-id"] != VICTIM]
+        assert s.rejections == (late if cfg.schedule == "asynchronous" else []), s.rejections
         # the posterior is the independent closed form of the ledger reached
         expected = expected_posterior(cfg, s.ledger_versions)
         assert max_natural_diff(s.state.posterior, expected) < 1e-9
